@@ -1,0 +1,42 @@
+# Every target sets itself up: a fresh clone needs only `make serve` or `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.afm-installed
+ARGS   ?=
+
+.PHONY: install serve test test-pure bench lint clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip "setuptools>=70" wheel "cython==3.3.1"
+	$(PY) -m pip install -q -e '.[http,test,bench]'
+	touch $(STAMP)
+
+# (Re)build the Cython accelerators in place; a no-op when they are current.
+install: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+serve: install
+	$(VENV)/bin/afm serve $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+# The same suite on the pure-Python twins.
+test-pure: install
+	AFM_NO_EXTENSIONS=1 $(PY) -m pytest $(ARGS)
+
+bench: install
+	$(PY) benchmarks/stream_core.py
+	$(PY) benchmarks/engine.py
+
+lint: install
+	$(PY) -m pip install -q ruff mypy
+	$(VENV)/bin/ruff check afm_core afm_http tests benchmarks
+	$(VENV)/bin/mypy afm_core afm_http
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find afm_core -name '*.so' -delete
+	find ext -name '*.c' -delete

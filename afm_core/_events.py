@@ -1,0 +1,120 @@
+"""Stream events: what the engine emits and the SSE encoder writes.
+
+Frozen, slotted dataclasses; every layer speaks them.  A stream is a sequence
+of deltas (content, reasoning, tool-call fragments, logprobs) followed by one
+``Finish``, an optional ``Usage``, an optional ``Profile``, or a
+``StreamError`` in place of the finish when generation failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ContentDelta:
+    """A piece of the assistant's ``content``."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """A piece of ``reasoning_content`` (extracted thinking)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of tool call ``index``.
+
+    The first fragment of a call carries ``id`` (``call_…``) and ``name``;
+    later fragments carry only ``arguments`` pieces.  Concatenating every
+    fragment's ``arguments`` gives the call's final JSON argument string.
+    """
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """OpenAI ``logprobs.content[]`` entry for one sampled token."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobsDelta:
+    """Logprobs of the tokens generated since the previous delta."""
+
+    content: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """End of the choice: ``stop``, ``length``, ``tool_calls`` or ``cancelled``."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """AFM profile: ``{"afm_profile": payload}`` or ``{"afm_profile_extended": payload}``."""
+
+    payload: dict[str, Any] = field(default_factory=dict)
+    extended: bool = False
+
+    @property
+    def key(self) -> str:
+        return "afm_profile_extended" if self.extended else "afm_profile"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """A generation error after the stream began (an error-marked chunk)."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+
+Delta = ContentDelta | ReasoningDelta | ToolCallDelta | LogprobsDelta
+Event = Delta | Finish | Usage | Profile | StreamError

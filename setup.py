@@ -1,0 +1,77 @@
+"""Build the Cython accelerators in ``ext/`` into ``afm_core``.
+
+Each ``ext/NAME.pyx`` becomes the module ``afm_core.NAME``.  Set
+``AFM_NO_EXTENSIONS=1`` to skip the build entirely; the package then runs on
+its pure-Python twins.  A failed build (no compiler, no Cython) warns and falls
+back to the pure package instead of failing the installation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from glob import glob
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).parent
+NO_EXTENSIONS = os.environ.get("AFM_NO_EXTENSIONS", "") not in ("", "0")
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that degrades to the pure package when compiling fails."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any toolchain failure
+            self._warn(exc)
+
+    def build_extension(self, ext) -> None:  # type: ignore[no-untyped-def]
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc: BaseException) -> None:
+        print(
+            f"WARNING: building afm's Cython extensions failed ({exc!r}); "
+            "the pure-Python twins will be used.",
+            file=sys.stderr,
+        )
+
+
+def extensions() -> list:
+    if NO_EXTENSIONS:
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        print("WARNING: Cython is missing; installing the pure package.", file=sys.stderr)
+        return []
+    from setuptools import Extension
+
+    # AFM_EXT_ONLY=_detok_c,_sse_c limits a development rebuild to those modules.
+    only = {n for n in os.environ.get("AFM_EXT_ONLY", "").split(",") if n}
+    modules = [
+        Extension(f"afm_core.{Path(src).stem}", [src], extra_compile_args=["-O2"])
+        for src in sorted(glob(str(Path("ext") / "*.pyx")))
+        if not only or Path(src).stem in only
+    ]
+    return cythonize(
+        modules,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "embedsignature": True,
+        },
+        quiet=True,
+    )
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
