@@ -1,0 +1,15 @@
+"""SSE frame encoder: the Cython build unless disabled, else the pure twin."""
+
+from __future__ import annotations
+
+from ._compat import load_twin
+
+_impl = load_twin("afm_core._sse_c", "afm_core._sse_py")
+
+DONE = _impl.DONE
+SSEEncoder = _impl.SSEEncoder
+dumps = _impl.dumps
+escape_json_string = _impl.escape_json_string
+frame = _impl.frame
+
+__all__ = ["DONE", "SSEEncoder", "dumps", "escape_json_string", "frame"]
