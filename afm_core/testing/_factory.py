@@ -1,0 +1,120 @@
+"""Write complete, offline mlx-lm model directories for tests and benchmarks.
+
+* ``make_random_model``: a qwen3-architecture model with random float32
+  weights and the trained byte-level BPE tokenizer.
+* ``make_echo_model``: the same tokenizer with the ``afm_echo`` architecture
+  (see ``_echo.py``), whose completion is the last user message verbatim.
+
+Both directories load with ``mlx_lm.load`` once ``afm_core`` is imported
+(importing it registers the ``afm_echo`` model type with mlx-lm).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ._tokenizer import EOS_TOKEN, train_tokenizer, write_tokenizer
+
+
+def _common(out: Path, vocab_size: int, context_length: int) -> tuple[Any, dict[str, int], int]:
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    ids = write_tokenizer(tok, out, model_max_length=context_length)
+    # The embedding may be larger than the learned vocabulary, as in real models.
+    model_vocab = max(vocab_size, tok.get_vocab_size())
+    eos = ids[EOS_TOKEN]
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}, indent=2)
+    )
+    return tok, ids, model_vocab
+
+
+def make_random_model(
+    out: str | Path,
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    context_length: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight qwen3 model to ``out`` and return the path."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    out = Path(out)
+    _, ids, model_vocab = _common(out, vocab_size, context_length)
+    if hidden_size % num_heads:
+        raise ValueError("hidden_size must be a multiple of num_heads")
+    config: dict[str, Any] = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": model_vocab,
+        "max_position_embeddings": context_length,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "eos_token_id": ids[EOS_TOKEN],
+        "bos_token_id": None,
+    }
+    mx.random.seed(seed)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _newline_fused(tok: Any) -> dict[str, list[int]]:
+    """Tokens starting with a newline plus more text -> ids of that text."""
+    fused: dict[str, list[int]] = {}
+    for tid in range(tok.get_vocab_size()):
+        text = tok.decode([tid], skip_special_tokens=False)
+        if len(text) > 1 and text.startswith("\n"):
+            fused[str(tid)] = list(tok.encode(text[1:], add_special_tokens=False).ids)
+    return fused
+
+
+def make_echo_model(out: str | Path, *, context_length: int = 32768) -> Path:
+    """Write the echo model to ``out`` and return the path."""
+    import mlx.core as mx
+
+    out = Path(out)
+    tok, ids, model_vocab = _common(out, 1024, context_length)
+
+    def enc(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False).ids)
+
+    config = {
+        "model_type": "afm_echo",
+        "vocab_size": model_vocab,
+        "max_position_embeddings": context_length,
+        "eos_token_id": ids[EOS_TOKEN],
+        "end_token_id": ids[EOS_TOKEN],
+        "user_header_ids": enc("<|im_start|>user"),
+        "newline_ids": enc("\n"),
+        "assistant_header_ids": enc("<|im_start|>assistant\n"),
+        "think_skip_ids": enc("<think>\n\n</think>\n\n"),
+        "newline_fused": _newline_fused(tok),
+        "torch_dtype": "float32",
+    }
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {"scale": mx.array([30.0], dtype=mx.float32)},
+        metadata={"format": "mlx"},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
