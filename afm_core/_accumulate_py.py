@@ -98,6 +98,8 @@ class ChunkAccumulator:
         """Feed raw SSE bytes, split anywhere."""
         if not data:
             return
+        if type(data) is not bytes:
+            data = bytes(data)
         if self._skip_lf:
             self._skip_lf = False
             if data[:1] == b"\n":

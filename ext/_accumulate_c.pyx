@@ -86,7 +86,7 @@ cdef class ChunkAccumulator:
 
     # -- transport -----------------------------------------------------
 
-    def feed(self, item: bytes | str | dict[str, Any]) -> None:
+    def feed(self, item) -> None:
         """Feed SSE bytes or text, or one decoded chunk dict."""
         if isinstance(item, dict):
             self.feed_chunk(item)
@@ -97,10 +97,12 @@ cdef class ChunkAccumulator:
         else:
             raise TypeError(f"cannot feed {type(item).__name__}")
 
-    def feed_bytes(self, data: bytes) -> None:
+    def feed_bytes(self, data) -> None:
         """Feed raw SSE bytes, split anywhere."""
         if not data:
             return
+        if type(data) is not bytes:
+            data = bytes(data)
         if self._skip_lf:
             self._skip_lf = False
             if data[:1] == b"\n":
@@ -161,7 +163,7 @@ cdef class ChunkAccumulator:
 
     # -- chunks --------------------------------------------------------
 
-    def feed_chunk(self, chunk: dict[str, Any]) -> None:
+    def feed_chunk(self, chunk) -> None:
         """Merge one decoded chunk."""
         if self._done:
             raise StreamProtocolError("data after [DONE]")
