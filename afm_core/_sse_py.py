@@ -8,8 +8,9 @@ also the non-streaming path's input) and serialised with :func:`dumps`.
 JSON text is UTF-8 (``ensure_ascii=False``): the bytes equal
 ``json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()``,
 except that a lone surrogate, which UTF-8 cannot carry, is written as a
-``\\udXXX`` escape instead of crashing.  A logprob of ``-inf``/NaN is written
-as ``-9999.0`` (strict JSON has no infinities).
+``\\udXXX`` escape instead of crashing.  Logprobs are clamped to
+``[-9999.0, 0.0]`` (``-inf``/NaN become ``-9999.0``; strict JSON has no
+infinities).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def frame(obj: Any) -> bytes:
 
 
 def _logprob(value: float) -> float:
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares False too
+    if value >= MIN_LOGPROB:  # False for NaN too
+        return value if value <= 0.0 else 0.0
+    return MIN_LOGPROB
 
 
 def _token_logprob(entry: TokenLogprob) -> dict[str, Any]:
