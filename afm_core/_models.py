@@ -69,13 +69,14 @@ def _dequantize_for(path: Path, dequantize: bool | None) -> bool:
 
 
 def _resolve_gguf(path: Path, home: Path, dequantize: bool | None, say: Progress) -> Path:
-    from ._gguf import convert_gguf
+    from ._gguf import convert_gguf, remove_partials
 
     out = gguf_cache_dir(path, home=home, dequantize=dequantize)
     if is_model_dir(out):
         return out
     with cache_lock(home, out.name):
         if not is_model_dir(out):
+            remove_partials(out)
             say(f"converting {path} into {out} (once; later starts reuse it)")
             deq = _dequantize_for(path, dequantize)
             convert_gguf(path, out, dequantize=deq, overwrite=True, progress=say)

