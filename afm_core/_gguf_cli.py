@@ -27,12 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._gguf import convert_gguf
+    from ._gguf import convert_gguf, remove_partials
 
     def say(msg: str) -> None:
         print(f"afm: {msg}", file=sys.stderr, flush=True)
 
     start = time.monotonic()
+    remove_partials(args.out_dir)  # leftovers of an earlier, killed run
     try:
         out = convert_gguf(
             args.file,
