@@ -183,6 +183,7 @@ class Worker:
                     cmd = None
             if self.by_key:
                 self._step(outputs)
+            self._update_stats()
             if outputs:
                 self.post(outputs)
 
@@ -297,7 +298,9 @@ class Worker:
         for key, events in pending.items():
             if key not in outputs and events:
                 outputs[key] = (tuple(events), False)
-        s = self.stats
+
+    def _update_stats(self) -> None:
+        s, gen = self.stats, self.gen
         s.running = len(gen._generation_batch)
         s.prefilling = len(gen._prompt_batch)
         s.queued = len(gen._unprocessed_sequences)
