@@ -1,11 +1,88 @@
-"""afm_core: a Trio engine over MLX with a sans-IO streaming core."""
+"""afm_core: a Trio engine over MLX with a sans-IO streaming core.
+
+The public face; implementation modules are private (``_x``).
+"""
 
 from __future__ import annotations
 
 from . import _architectures
+from ._accumulate import ChunkAccumulator as ChunkAccumulator
+from ._accumulate import accumulate as accumulate
+from ._detok import DecoderTables as DecoderTables
+from ._detok import IncrementalDetokenizer as IncrementalDetokenizer
+from ._engine import ChatStream as ChatStream
+from ._engine import Engine as Engine
+from ._engine import EngineConfig as EngineConfig
+from ._engine import EngineStatistics as EngineStatistics
+from ._engine import open_engine as open_engine
+from ._errors import AFMError as AFMError
+from ._errors import ContextLengthError as ContextLengthError
+from ._errors import DuplicateRequestError as DuplicateRequestError
+from ._errors import EngineBusyError as EngineBusyError
+from ._errors import EngineClosedError as EngineClosedError
+from ._errors import GenerationError as GenerationError
+from ._errors import GGUFError as GGUFError
+from ._errors import ModelLoadError as ModelLoadError
+from ._errors import RequestError as RequestError
+from ._errors import StreamErrorChunk as StreamErrorChunk
+from ._errors import StreamProtocolError as StreamProtocolError
+from ._errors import UnsupportedError as UnsupportedError
+from ._events import ContentDelta as ContentDelta
+from ._events import Finish as Finish
+from ._events import LogprobsDelta as LogprobsDelta
+from ._events import Profile as Profile
+from ._events import ReasoningDelta as ReasoningDelta
+from ._events import StreamError as StreamError
+from ._events import TokenLogprob as TokenLogprob
+from ._events import ToolCallDelta as ToolCallDelta
+from ._events import TopLogprob as TopLogprob
+from ._events import Usage as Usage
+from ._gguf import convert_gguf as convert_gguf
+from ._models import resolve_model as resolve_model
+from ._reasoning import ReasoningSplitter as ReasoningSplitter
+from ._request import ChatRequest as ChatRequest
+from ._sse import SSEEncoder as SSEEncoder
 
 _architectures.register()
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "AFMError",
+    "ChatRequest",
+    "ChatStream",
+    "ChunkAccumulator",
+    "ContentDelta",
+    "ContextLengthError",
+    "DecoderTables",
+    "DuplicateRequestError",
+    "Engine",
+    "EngineBusyError",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStatistics",
+    "Finish",
+    "GGUFError",
+    "GenerationError",
+    "IncrementalDetokenizer",
+    "LogprobsDelta",
+    "ModelLoadError",
+    "Profile",
+    "ReasoningDelta",
+    "ReasoningSplitter",
+    "RequestError",
+    "SSEEncoder",
+    "StreamError",
+    "StreamErrorChunk",
+    "StreamProtocolError",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "TopLogprob",
+    "UnsupportedError",
+    "Usage",
+    "__version__",
+    "accumulate",
+    "convert_gguf",
+    "open_engine",
+    "resolve_model",
+]
