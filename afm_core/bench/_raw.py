@@ -1,0 +1,163 @@
+"""The raw limit: the same jobs through mlx-lm's ``BatchGenerator`` in-process.
+
+No HTTP, no detokenizer, no JSON: token ids in, token ids out, with the same
+chat template, greedy sampling, stop tokens and ``max_tokens`` as the served
+path.  ``RawRunner`` owns one dedicated thread (a single-worker executor):
+MLX streams are thread-local, so the model is loaded, the stream made and
+every step run on that thread; Trio only awaits the result of a whole level.
+Loops are bounded by their own deadline, checked every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from ._results import RequestResult, RunResult
+from ._workload import Workload
+
+T = TypeVar("T")
+
+
+class RawRunner:
+    """Loads ``model_dir`` on a dedicated thread and runs levels there."""
+
+    def __init__(self, model_dir: str | Path, *, prefill_batch_size: int = 8) -> None:
+        self.model_dir = str(model_dir)
+        self.prefill_batch_size = prefill_batch_size
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="afm-bench-mlx")
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._stream: Any = None
+        self._prompts: dict[int, list[int]] = {}
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        fut = self._executor.submit(fn, *args)
+        return await trio.to_thread.run_sync(fut.result)
+
+    async def load(self) -> None:
+        await self._call(self._load)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._executor.shutdown)
+
+    async def prompt_tokens(self, workload: Workload) -> list[int]:
+        """Prompt length in tokens of every job (for cross-checks)."""
+        return await self._call(lambda: [len(self._ids(workload, i))
+                                         for i in range(len(workload.jobs))])
+
+    async def run_closed(self, workload: Workload, concurrency: int, n_requests: int, *,
+                         level_timeout: float, first_index: int = 0) -> RunResult:
+        arrivals = [0.0] * n_requests
+        return await self._call(self._loop, workload, concurrency, arrivals,
+                                level_timeout, first_index, "closed", float(concurrency))
+
+    async def run_open(self, workload: Workload, rate: float, schedule: Sequence[float], *,
+                       level_timeout: float, first_index: int = 0) -> RunResult:
+        return await self._call(self._loop, workload, 0, list(schedule), level_timeout,
+                                first_index, "open", rate)
+
+    # --- on the MLX thread -------------------------------------------------
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        import afm_core  # noqa: F401  (registers the test architectures)
+
+        self._model, self._tokenizer = load(self.model_dir)
+        self._stream = mx.new_stream(mx.default_device())
+
+    def _ids(self, workload: Workload, i: int) -> list[int]:
+        job = workload.job(i)
+        key = hash((workload.seed, len(workload.jobs), job.index))
+        ids = self._prompts.get(key)
+        if ids is None:
+            ids = list(self._tokenizer.apply_chat_template(
+                [dict(m) for m in job.messages], add_generation_prompt=True, tokenize=True))
+            self._prompts[key] = ids
+        return ids
+
+    def _loop(self, workload: Workload, concurrency: int, arrivals: list[float],
+              level_timeout: float, first_index: int, mode: str, level: float) -> RunResult:
+        """Closed loop when ``concurrency > 0`` (arrivals ignored), else open
+        loop admitting request k at ``arrivals[k]`` seconds."""
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        if self._model is None:
+            raise RuntimeError("RawRunner.load() first")
+        closed = concurrency > 0
+        width = concurrency if closed else max(1, len(arrivals))
+        stop_tokens = [[t] for t in sorted(self._tokenizer.eos_token_ids)]
+        with mx.stream(self._stream):
+            gen = BatchGenerator(
+                self._model,
+                stop_tokens=stop_tokens,
+                completion_batch_size=width,
+                prefill_batch_size=min(self.prefill_batch_size, width),
+                stream=self._stream,
+            )
+        pending = deque(range(len(arrivals)))
+        active: dict[int, tuple[RequestResult, list[float]]] = {}
+        done: list[RequestResult] = []
+        t_start = time.perf_counter()
+        deadline = t_start + level_timeout
+        truncated = False
+        try:
+            while pending or active:
+                now = time.perf_counter()
+                if now > deadline:
+                    truncated = True
+                    break
+                while pending and (len(active) < concurrency if closed
+                                   else t_start + arrivals[pending[0]] <= now):
+                    k = pending.popleft()
+                    i = first_index + k
+                    t0 = now if closed else t_start + arrivals[k]
+                    (uid,) = gen.insert([self._ids(workload, i)],
+                                        max_tokens=[workload.job(i).max_tokens])
+                    res = RequestResult(index=i, start=t0)
+                    res.prompt_tokens = len(self._ids(workload, i))
+                    active[uid] = (res, [])
+                if not active:
+                    time.sleep(max(0.0, min(t_start + arrivals[pending[0]], deadline)
+                                   - time.perf_counter()))
+                    continue
+                _, responses = gen.next()
+                now = time.perf_counter()
+                for r in responses:
+                    res, last = active[r.uid]
+                    res.output_tokens += 1
+                    if res.ttft is None:
+                        res.ttft = now - res.start
+                    else:
+                        res.itls.append(now - last[0])
+                    last[:] = [now]
+                    if r.finish_reason is not None:
+                        res.finish_reason = r.finish_reason
+                        res.e2e = now - res.start
+                        done.append(res)
+                        del active[r.uid]
+        finally:
+            gen.close()
+        for res, _ in active.values():
+            res.error = "deadline"
+            done.append(res)
+        for k in pending:
+            if truncated:
+                done.append(RequestResult(index=first_index + k, error="deadline"))
+        ends = [r.start + r.e2e for r in done if r.e2e is not None]
+        duration = (max(ends) - t_start) if ends else math.nan
+        for r in done:
+            r.start = max(0.0, r.start - t_start) if r.start else 0.0
+        done.sort(key=lambda r: r.index)
+        return RunResult("raw", mode, level, duration, done, truncated=truncated)

@@ -1,0 +1,139 @@
+"""Start and stop the servers under test as loopback subprocesses.
+
+``serving(spec, ...)`` is an async context manager: it picks a free port on
+127.0.0.1, starts the process with its output in a log file, waits for
+``GET /health`` (bounded), yields the base URL, and on exit terminates the
+process (then kills it if it has not exited within a grace period).  Only
+processes started here are ever signalled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+
+HOST = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """How to launch one kind of server; ``model_field`` is the request's
+    ``model`` value for it (None omits the field)."""
+
+    name: str
+    argv: tuple[str, ...]
+    model_field: str | None = None
+    health_path: str = "/health"
+
+
+def free_port() -> int:
+    """A currently unused TCP port on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def ours_available() -> bool:
+    """Whether ``afm serve`` (the ``afm_http`` server) is importable."""
+    try:
+        return importlib.util.find_spec("afm_http._serve_cli") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def ours_spec(model_dir: str | Path, port: int, extra: tuple[str, ...] = ()) -> ServerSpec:
+    """``afm serve --model DIR --host 127.0.0.1 --port P``."""
+    argv = (sys.executable, "-m", "afm_core._cli", "serve", "--model", str(model_dir),
+            "--host", HOST, "--port", str(port), *extra)
+    return ServerSpec("ours", argv, model_field=None)
+
+
+def peer_spec(model_dir: str | Path, port: int, *, decode_concurrency: int | None = None,
+              extra: tuple[str, ...] = ()) -> ServerSpec:
+    """``python -m mlx_lm.server`` on the same model; its ``model`` field must
+    be omitted or equal the local path, so we omit it."""
+    argv: tuple[str, ...] = (sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+                             "--host", HOST, "--port", str(port), "--log-level", "WARNING")
+    if decode_concurrency is not None:
+        argv += ("--decode-concurrency", str(decode_concurrency))
+    return ServerSpec("mlx_lm.server", argv + extra, model_field=None)
+
+
+async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], *, timeout: float,
+                       log_path: Path) -> None:
+    """Poll ``/health`` until 200, the process exits, or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        while True:
+            if proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with {proc.returncode}; log tail:\n{_tail(log_path)}")
+            try:
+                resp = await client.get(base_url + "/health")
+                if resp.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"not healthy after {timeout:g} s; log tail:\n{_tail(log_path)}")
+            await trio.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> int:
+    """SIGTERM (then SIGINT, then SIGKILL) this process and reap it."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if proc.poll() is not None:
+            break
+        try:
+            proc.send_signal(sig)
+            proc.wait(timeout=grace / 2)
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=grace)
+    return int(proc.returncode)
+
+
+@asynccontextmanager
+async def serving(spec: ServerSpec, port: int, log_dir: Path, *,
+                  startup_timeout: float = 180.0) -> AsyncIterator[str]:
+    """Run ``spec`` for the duration of the block; yields its base URL."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name.replace('.', '_')}-{port}.log"
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+    base_url = f"http://{HOST}:{port}"
+    try:
+        await wait_healthy(base_url, proc, timeout=startup_timeout, log_path=log_path)
+        yield base_url
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(stop, proc)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
