@@ -1,0 +1,145 @@
+"""``afm bench``: served vs raw vs peers, side by side in one run.
+
+Examples::
+
+    afm bench                                   # tiny random model, raw + mlx_lm.server + ours
+    afm bench --model DIR --concurrency 1,8 --requests 16 --max-tokens 32
+    afm bench --targets raw,peer --rate 5,20    # add open-loop Poisson levels
+    afm bench --targets raw --url http://127.0.0.1:8080   # an already running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {text!r}") from exc
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from exc
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"bad range {text!r}")
+    return a, b
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    from ._run import ALL_TARGETS
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in ALL_TARGETS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown targets {bad}; choose from {ALL_TARGETS}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    a = parser.add_argument
+    a("--model", default=None,
+      help="mlx-lm model directory (default: a fresh random tiny test model)")
+    a("--targets", type=_targets, default=("raw", "peer", "ours"),
+      help="comma list of raw, peer (mlx_lm.server), ours (afm serve); default all")
+    a("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop levels")
+    a("--requests", type=int, default=None,
+      help="requests per closed-loop level (default max(32, 4 x concurrency))")
+    a("--rate", type=_floats, default=(), help="open-loop Poisson rates in req/s, comma list")
+    a("--open-requests", type=int, default=64, help="requests per open-loop level")
+    a("--max-tokens", type=_range, default=(64, 64), help="N or MIN:MAX completion tokens")
+    a("--prompt-words", type=_range, default=(16, 64), help="N or MIN:MAX words per prompt")
+    a("--seed", type=int, default=0, help="workload seed")
+    a("--warmup", type=int, default=4, help="unrecorded warm-up requests per target")
+    a("--request-timeout", type=float, default=120.0, help="seconds per request")
+    a("--level-timeout", type=float, default=300.0, help="seconds per level per target")
+    a("--time-budget", type=float, default=1800.0, help="seconds for the whole run")
+    a("--startup-timeout", type=float, default=180.0, help="seconds for a server to be healthy")
+    a("--peer-decode-concurrency", type=int, default=None,
+      help="mlx_lm.server --decode-concurrency (default: the largest level)")
+    a("--profile", action="store_true", help="send X-AFM-Profile: extended and keep the profiles")
+    a("--url", default=None, help="also benchmark an already running loopback server")
+    a("--url-model", default=None, help="'model' field for --url (default: omitted)")
+    a("--serve-arg", action="append", default=[], help="extra argument for afm serve")
+    a("--peer-arg", action="append", default=[], help="extra argument for mlx_lm.server")
+    a("--out", default=None, help="output directory (default bench-results/bench-TIMESTAMP)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from ._report import format_table, write_report
+    from ._run import BenchConfig, run_bench
+
+    out_dir = Path(args.out or Path("bench-results") / time.strftime("bench-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    generated = model is None
+    if generated:
+        from afm_core.testing import make_random_model
+
+        model = str(make_random_model(out_dir / "tiny-model"))
+    elif not (Path(model) / "config.json").is_file():
+        print(f"afm bench: {model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(
+        model=str(Path(model).resolve()),
+        out_dir=str(out_dir),
+        targets=args.targets,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        rates=args.rate,
+        open_requests=args.open_requests,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        seed=args.seed,
+        warmup=args.warmup,
+        request_timeout=args.request_timeout,
+        level_timeout=args.level_timeout,
+        time_budget=args.time_budget,
+        startup_timeout=args.startup_timeout,
+        peer_decode_concurrency=args.peer_decode_concurrency,
+        profile=args.profile,
+        url=args.url,
+        url_model=args.url_model,
+        serve_args=tuple(args.serve_arg),
+        peer_args=tuple(args.peer_arg),
+        model_was_generated=generated,
+    )
+    if cfg.url:
+        from ._loadgen import require_loopback
+
+        try:
+            require_loopback(cfg.url)
+        except ValueError as exc:
+            print(f"afm bench: {exc}", file=sys.stderr)
+            return 2
+    report = trio.run(run_bench, cfg)
+    paths = write_report(report, out_dir)
+    print(format_table(report))
+    for p in paths:
+        print(f"wrote {p}")
+    return 0 if report["levels"] else 1

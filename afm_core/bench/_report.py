@@ -1,0 +1,181 @@
+"""Turn run results into the report: JSON, a readable table and a PNG plot.
+
+Every served figure is set against ``raw`` from the same run (``*_vs_raw``)
+and, when both ran, ours against the peer (``ours_vs_peer``).  Latencies are
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._results import RunResult
+from ._stats import ratio
+
+RAW = "raw"
+OURS = "ours"
+PEER = "mlx_lm.server"
+
+
+def _p(summary: dict[str, Any], metric: str, q: str = "p50") -> float | None:
+    value = summary.get(metric, {}).get(q)
+    return None if value is None else float(value)
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def compare(s: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """``s`` relative to ``base`` (ratios; TTFT also as a difference in ms)."""
+    return {
+        "output_tokens_per_s": ratio(s.get("output_tokens_per_s"), base.get("output_tokens_per_s")),
+        "request_throughput": ratio(s.get("request_throughput"), base.get("request_throughput")),
+        "ttft_p50": ratio(_p(s, "ttft_ms"), _p(base, "ttft_ms")),
+        "ttft_p50_delta_ms": _delta(_p(s, "ttft_ms"), _p(base, "ttft_ms")),
+        "itl_p50": ratio(_p(s, "itl_ms"), _p(base, "itl_ms")),
+        "itl_p99": ratio(_p(s, "itl_ms", "p99"), _p(base, "itl_ms", "p99")),
+        "e2e_p50": ratio(_p(s, "e2e_ms"), _p(base, "e2e_ms")),
+    }
+
+
+def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
+                 config: dict[str, Any], skipped: dict[str, str]) -> dict[str, Any]:
+    """The whole report as a JSON-able dict, grouped by load level."""
+    levels: dict[tuple[str, float], dict[str, Any]] = {}
+    targets: list[str] = []
+    for run in runs:
+        if run.target not in targets:
+            targets.append(run.target)
+        entry = levels.setdefault((run.mode, run.level),
+                                  {"mode": run.mode, "level": run.level, "label": run.label,
+                                   "by_target": {}})
+        entry["by_target"][run.target] = run.summary()
+    for entry in levels.values():
+        by = entry["by_target"]
+        if RAW in by:
+            entry["vs_raw"] = {t: compare(s, by[RAW]) for t, s in by.items() if t != RAW}
+        if OURS in by and PEER in by:
+            entry["ours_vs_peer"] = compare(by[OURS], by[PEER])
+    ordered = sorted(levels.values(), key=lambda e: (e["mode"] != "closed", e["level"]))
+    return {"meta": meta, "config": config, "targets": targets, "skipped": skipped,
+            "levels": ordered}
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A fixed-width table: one row per target per level, then ours/peer."""
+    head = (f"{'level':<11} {'target':<14} {'tok/s':>9} {'x raw':>6} {'req/s':>7} "
+            f"{'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
+            f"{'E2E p50':>8} {'ok':>5}  errors")
+    lines = [head, "-" * len(head)]
+    for entry in report["levels"]:
+        by = entry["by_target"]
+        vs = entry.get("vs_raw", {})
+        for target in report["targets"]:
+            s = by.get(target)
+            if s is None:
+                continue
+            x_raw = vs.get(target, {}).get("output_tokens_per_s") if target != RAW else 1.0
+            errs = ",".join(f"{k}={v}" for k, v in s["errors"].items()) or "0"
+            if s.get("truncated"):
+                errs += " (time budget hit)"
+            lines.append(
+                f"{entry['label']:<11} {target:<14} {_fmt(s['output_tokens_per_s']):>9} "
+                f"{_fmt(x_raw, '.3f'):>6} {_fmt(s['request_throughput'], '.2f'):>7} "
+                f"{_fmt(_p(s, 'ttft_ms')):>9} {_fmt(_p(s, 'ttft_ms', 'p90')):>7} "
+                f"{_fmt(_p(s, 'ttft_ms', 'p99')):>7} {_fmt(_p(s, 'itl_ms'), '.2f'):>8} "
+                f"{_fmt(_p(s, 'itl_ms', 'p99'), '.2f'):>7} {_fmt(_p(s, 'e2e_ms')):>8} "
+                f"{s['ok']:>5}  {errs}")
+        ovp = entry.get("ours_vs_peer")
+        if ovp:
+            lines.append(
+                f"{entry['label']:<11} {'ours/peer':<14} {_fmt(ovp['output_tokens_per_s'], '.3f'):>9}"
+                f" {'':>6} {_fmt(ovp['request_throughput'], '.3f'):>7} "
+                f"{_fmt(ovp['ttft_p50'], '.3f'):>9} {'':>7} {'':>7} "
+                f"{_fmt(ovp['itl_p50'], '.3f'):>8} {_fmt(ovp['itl_p99'], '.3f'):>7} "
+                f"{_fmt(ovp['e2e_p50'], '.3f'):>8}")
+        lines.append("")
+    if report.get("skipped"):
+        for name, why in report["skipped"].items():
+            lines.append(f"skipped {name}: {why}")
+    lines.append("tok/s from usage.completion_tokens over wall time; latencies in ms; "
+                 "x raw = tok/s ratio to in-process BatchGenerator in this run.")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Throughput, ratio to raw, TTFT and ITL vs concurrency (closed loop)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = [e for e in report["levels"] if e["mode"] == "closed"]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    (ax_tps, ax_ratio), (ax_ttft, ax_itl) = axes
+    for target in report["targets"]:
+        pts = [(e["level"], e["by_target"][target]) for e in closed if target in e["by_target"]]
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        ss = [p[1] for p in pts]
+        (line,) = ax_tps.plot(xs, [_nan(s["output_tokens_per_s"]) for s in ss], "o-", label=target)
+        color = line.get_color()
+        ax_ttft.plot(xs, [_nan(_p(s, "ttft_ms")) for s in ss], "o-", color=color,
+                     label=f"{target} p50")
+        ax_ttft.plot(xs, [_nan(_p(s, "ttft_ms", "p99")) for s in ss], "x--", color=color,
+                     alpha=0.6, label=f"{target} p99")
+        ax_itl.plot(xs, [_nan(_p(s, "itl_ms")) for s in ss], "o-", color=color,
+                    label=f"{target} p50")
+        ax_itl.plot(xs, [_nan(_p(s, "itl_ms", "p99")) for s in ss], "x--", color=color,
+                    alpha=0.6, label=f"{target} p99")
+        if target != RAW:
+            rs = [e.get("vs_raw", {}).get(target, {}).get("output_tokens_per_s")
+                  for e in closed if target in e["by_target"]]
+            ax_ratio.plot(xs, [_nan(r) for r in rs], "o-", color=color, label=target)
+    ax_ratio.axhline(1.0, color="grey", lw=0.8)
+    ax_ratio.axhline(0.95, color="grey", lw=0.8, ls=":")
+    titles = [(ax_tps, "output tokens/s"), (ax_ratio, "tokens/s ÷ raw"),
+              (ax_ttft, "TTFT (ms)"), (ax_itl, "inter-token latency (ms)")]
+    ticks = sorted({e["level"] for e in closed})
+    for ax, title in titles:
+        ax.set_title(title)
+        ax.set_xlabel("concurrent streams")
+        ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in (ax_ttft, ax_itl):
+        ax.set_yscale("log")
+    model = report.get("meta", {}).get("model", "")
+    fig.suptitle(f"afm bench: {Path(str(model)).name or model}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else float(x)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> Sequence[Path]:
+    """Write ``report.json``, ``report.txt`` and ``report.png`` to ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
+    txt_path = out_dir / "report.txt"
+    txt_path.write_text(format_table(report) + "\n")
+    png_path = plot(report, out_dir / "report.png")
+    return json_path, txt_path, png_path

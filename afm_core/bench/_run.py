@@ -1,0 +1,257 @@
+"""One benchmark run: raw, then each server, level by level, then the report.
+
+Targets run one after another (never two at once: the model would compete
+with itself for the same cores).  Each target gets the same jobs at the same
+level, warms up first, and is bounded by the level and total time budgets;
+servers started here are always stopped before the next one starts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import _loadgen, _servers
+from ._raw import RawRunner
+from ._report import OURS, PEER, RAW, build_report
+from ._results import RunResult
+from ._workload import Workload, make_workload, poisson_schedule
+
+ALL_TARGETS = ("raw", "peer", "ours")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """Everything that defines a run; stored verbatim in the report."""
+
+    model: str
+    out_dir: str
+    targets: tuple[str, ...] = ALL_TARGETS
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    requests: int | None = None  # per closed level; None -> max(32, 4 * c)
+    rates: tuple[float, ...] = ()
+    open_requests: int = 64
+    max_tokens: tuple[int, int] = (64, 64)
+    prompt_words: tuple[int, int] = (16, 64)
+    seed: int = 0
+    warmup: int = 4
+    request_timeout: float = 120.0
+    level_timeout: float = 300.0
+    time_budget: float = 1800.0
+    startup_timeout: float = 180.0
+    peer_decode_concurrency: int | None = None
+    profile: bool = False
+    url: str | None = None
+    url_model: str | None = None
+    serve_args: tuple[str, ...] = ()
+    peer_args: tuple[str, ...] = ()
+    model_was_generated: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def requests_at(self, c: int) -> int:
+        return self.requests if self.requests is not None else max(32, 4 * c)
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    mode: str
+    level: float
+    n: int
+    first_index: int
+    schedule: tuple[float, ...] = ()
+
+
+def plan(cfg: BenchConfig) -> tuple[Workload, list[Level]]:
+    """The seeded workload and the levels, with disjoint job ranges."""
+    levels: list[Level] = []
+    nxt = 0
+    for c in cfg.concurrency:
+        n = cfg.requests_at(c)
+        levels.append(Level("closed", float(c), n, nxt))
+        nxt += n
+    for k, rate in enumerate(cfg.rates):
+        sched = tuple(poisson_schedule(rate, cfg.open_requests, cfg.seed + 1000 + k))
+        levels.append(Level("open", rate, cfg.open_requests, nxt, sched))
+        nxt += cfg.open_requests
+    workload = make_workload(cfg.seed, max(1, nxt), prompt_words=cfg.prompt_words,
+                             max_tokens=cfg.max_tokens)
+    return workload, levels
+
+
+def _log(msg: str) -> None:
+    print(f"[afm bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _brief(run: RunResult) -> str:
+    s = run.summary()
+    ttft = s["ttft_ms"]["p50"]
+    return (f"{run.target} {run.label}: {s['ok']}/{s['requests']} ok, "
+            f"{s['output_tokens_per_s'] or math.nan:.1f} tok/s, "
+            f"TTFT p50 {ttft if ttft is not None else math.nan:.1f} ms, errors {s['errors']}")
+
+
+async def _served_levels(target: _loadgen.Target, workload: Workload, levels: list[Level],
+                         cfg: BenchConfig, runs: list[RunResult]) -> None:
+    if cfg.warmup > 0:
+        c = max(1, min(4, max(cfg.concurrency, default=1)))
+        await _loadgen.run_closed(target, workload, c, cfg.warmup, level_timeout=cfg.level_timeout,
+                                  request_timeout=cfg.request_timeout)
+    for lv in levels:
+        if lv.mode == "closed":
+            run = await _loadgen.run_closed(
+                target, workload, int(lv.level), lv.n, level_timeout=cfg.level_timeout,
+                request_timeout=cfg.request_timeout, first_index=lv.first_index)
+        else:
+            run = await _loadgen.run_open(
+                target, workload, lv.level, lv.schedule, level_timeout=cfg.level_timeout,
+                request_timeout=cfg.request_timeout, first_index=lv.first_index)
+        runs.append(run)
+        _log(_brief(run))
+
+
+async def _raw_levels(model: str, workload: Workload, levels: list[Level], cfg: BenchConfig,
+                      runs: list[RunResult], notes: dict[str, Any]) -> None:
+    runner = RawRunner(model)
+    try:
+        await runner.load()
+        notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
+        if cfg.warmup > 0:
+            await runner.run_closed(workload, max(1, min(4, max(cfg.concurrency, default=1))),
+                                    cfg.warmup, level_timeout=cfg.level_timeout)
+        for lv in levels:
+            if lv.mode == "closed":
+                run = await runner.run_closed(workload, int(lv.level), lv.n,
+                                              level_timeout=cfg.level_timeout,
+                                              first_index=lv.first_index)
+            else:
+                run = await runner.run_open(workload, lv.level, lv.schedule,
+                                            level_timeout=cfg.level_timeout,
+                                            first_index=lv.first_index)
+            runs.append(run)
+            _log(_brief(run))
+    finally:
+        await runner.aclose()
+
+
+def _meta(cfg: BenchConfig) -> dict[str, Any]:
+    import mlx.core as mx
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg: str) -> str | None:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    model_cfg: dict[str, Any] = {}
+    try:
+        import json
+
+        raw_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
+        keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "torch_dtype")
+        model_cfg = {k: raw_cfg.get(k) for k in keys if k in raw_cfg}
+    except (OSError, ValueError):
+        pass
+    return {
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "model": cfg.model,
+        "model_config": model_cfg,
+        "model_generated": cfg.model_was_generated,
+        "afm_commit": commit or None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": __import__("os").cpu_count(),
+        "mlx_device": str(mx.default_device()),
+        "versions": {p: ver(p) for p in ("mlx", "mlx-lm", "httpx", "trio")},
+    }
+
+
+def _prompt_token_check(runs: list[RunResult], raw_tokens: list[int] | None,
+                        workload: Workload) -> dict[str, Any]:
+    """Does each server count the same prompt tokens as the raw path?"""
+    if not raw_tokens:
+        return {}
+    out: dict[str, Any] = {}
+    for run in runs:
+        if run.target == RAW:
+            continue
+        seen = [(r.index, r.prompt_tokens) for r in run.requests if r.prompt_tokens is not None]
+        bad = sum(1 for i, n in seen if raw_tokens[i % len(workload.jobs)] != n)
+        agg = out.setdefault(run.target, {"checked": 0, "mismatched": 0})
+        agg["checked"] += len(seen)
+        agg["mismatched"] += bad
+    return out
+
+
+async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run every requested target and return the report dict."""
+    workload, levels = plan(cfg)
+    runs: list[RunResult] = []
+    skipped: dict[str, str] = {}
+    notes: dict[str, Any] = {}
+    out_dir = Path(cfg.out_dir)
+    log_dir = out_dir / "logs"
+    meta = _meta(cfg)
+    t0 = time.perf_counter()
+
+    async def start_server(name: str, spec_for: Callable[[int], _servers.ServerSpec]) -> None:
+        port = _servers.free_port()
+        spec = spec_for(port)
+        _log(f"starting {name}: {' '.join(spec.argv)}")
+        try:
+            async with _servers.serving(spec, port, log_dir,
+                                        startup_timeout=cfg.startup_timeout) as base:
+                target = _loadgen.Target(name, base, model=spec.model_field, profile=cfg.profile)
+                await _served_levels(target, workload, levels, cfg, runs)
+        except _servers.ServerStartError as exc:
+            skipped[name] = f"failed to start: {str(exc)[:500]}"
+            _log(skipped[name])
+        _log(f"stopped {name}")
+
+    steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+    if "raw" in cfg.targets:
+        steps.append((RAW, lambda: _raw_levels(cfg.model, workload, levels, cfg, runs, notes)))
+    if "peer" in cfg.targets:
+        dc = cfg.peer_decode_concurrency or max(cfg.concurrency, default=32)
+        steps.append((PEER, lambda: start_server(PEER, lambda p: _servers.peer_spec(
+            cfg.model, p, decode_concurrency=dc, extra=cfg.peer_args))))
+    if "ours" in cfg.targets:
+        if _servers.ours_available():
+            steps.append((OURS, lambda: start_server(OURS, lambda p: _servers.ours_spec(
+                cfg.model, p, extra=cfg.serve_args))))
+        else:
+            skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
+    if cfg.url:
+        _loadgen.require_loopback(cfg.url)
+        url_target = _loadgen.Target("url", cfg.url, model=cfg.url_model, profile=cfg.profile)
+        steps.append(("url", lambda: _served_levels(url_target, workload, levels, cfg, runs)))
+
+    with trio.move_on_after(cfg.time_budget) as budget:
+        for name, step in steps:
+            _log(f"target {name}")
+            await step()
+    if budget.cancelled_caught:
+        skipped["time_budget"] = f"total time budget of {cfg.time_budget:g} s ran out"
+    config = asdict(cfg)
+    config["workload"] = workload.describe()
+    meta["elapsed_s"] = time.perf_counter() - t0
+    report = build_report(runs, meta=meta, config=config, skipped=skipped)
+    report["checks"] = {"prompt_tokens_vs_raw":
+                        _prompt_token_check(runs, notes.get("raw_prompt_tokens"), workload)}
+    return report
