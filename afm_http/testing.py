@@ -1,0 +1,29 @@
+"""A real server on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from afm_core._engine import Engine, open_engine
+
+from ._app import ServerConfig
+from ._server import serve_engine
+
+
+@asynccontextmanager
+async def running_server(model: str | Path, *, server: ServerConfig | None = None,
+                         **engine_config: Any) -> AsyncIterator[tuple[str, Engine]]:
+    """``(base_url, engine)`` of a hypercorn server on 127.0.0.1 serving ``model``."""
+    async with open_engine(model, **engine_config) as engine, trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve_engine(
+            engine, host="127.0.0.1", port=0, server=server or ServerConfig(), quiet=True,
+            task_status=task_status))
+        try:
+            yield binds[0], engine
+        finally:
+            nursery.cancel_scope.cancel()
