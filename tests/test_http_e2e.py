@@ -1,0 +1,280 @@
+"""End-to-end: a real hypercorn server on 127.0.0.1, httpx and the openai SDK."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from afm_http._app import ServerConfig
+from afm_http.testing import running_server
+
+CHAT = "/v1/chat/completions"
+
+
+def body(text: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+async def sse(client: httpx.AsyncClient, payload: dict, headers: dict | None = None):
+    """(response, parsed data events, raw data strings)."""
+    events, raw = [], []
+    async with client.stream("POST", CHAT, json=payload, headers=headers or {}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                raw.append(data)
+                if data != "[DONE]":
+                    events.append(json.loads(data))
+            else:
+                assert line == "", line
+    return r, events, raw
+
+
+def text_of(events: list, key: str = "content") -> str:
+    return "".join(
+        c["choices"][0]["delta"].get(key) or "" for c in events if c.get("choices")
+    )
+
+
+async def test_stream_lifecycle_and_headers(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        r, events, raw = await sse(c, body("Two lines\nof text", stream=True,
+                                           stream_options={"include_usage": True}),
+                                   {"X-Request-ID": "stream-8f31"})
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-accel-buffering"] == "no"
+        assert r.headers["x-request-id"] == r.headers["openai-request-id"] == "stream-8f31"
+        assert raw[-1] == "[DONE]"
+        first = events[0]["choices"][0]
+        assert first["delta"]["role"] == "assistant" and first["finish_reason"] is None
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        assert len({e["id"] for e in events}) == 1
+        finish, usage = events[-2], events[-1]
+        assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+        assert usage["choices"] == [] and usage["usage"]["total_tokens"] > 0
+        assert text_of(events) == "Two lines\nof text"
+        # no usage chunk unless asked
+        _, events, _ = await sse(c, body("x", stream=True))
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        assert "usage" not in events[-1]
+
+
+async def test_non_streaming_and_minted_ids(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        r = await c.post(CHAT, json=body("plain"))
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        assert rid and r.headers["openai-request-id"] == rid
+        data = r.json()
+        assert data["object"] == "chat.completion"
+        assert data["choices"][0]["message"] == {"role": "assistant", "content": "plain",
+                                                 "reasoning_content": None} or \
+            data["choices"][0]["message"]["content"] == "plain"
+        assert data["usage"]["completion_tokens"] > 0
+
+
+async def test_openai_sdk_stream_and_complete(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        resp = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hello sdk"}])
+        assert resp.choices[0].message.content == "hello sdk"
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "streamed sdk"}], stream=True,
+            stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage:
+                usage = chunk.usage
+        assert "".join(parts) == "streamed sdk"
+        assert usage is not None and usage.completion_tokens > 0
+        await client.close()
+
+
+async def test_reasoning_and_json_fence(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        _, events, _ = await sse(c, body("<think>step by step</think>Final.", stream=True))
+        assert text_of(events, "reasoning_content") == "step by step"
+        assert text_of(events) == "Final."
+        fenced = '```json\n{"ok": true}\n```'
+        r = await c.post(CHAT, json=body(fenced, response_format={"type": "json_object"}))
+        content = r.json()["choices"][0]["message"]["content"]
+        try:
+            import afm_core._structured  # noqa: F401
+        except ImportError:
+            pytest.skip("structured-output sanitizer not built yet")
+        assert json.loads(content) == {"ok": True}
+
+
+async def test_cancel_by_id(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        events: list = []
+        raw: list = []
+
+        async def consume() -> None:
+            async with c.stream("POST", CHAT, json=body("word " * 3000, stream=True),
+                                headers={"X-Request-ID": "cancel-me"}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        raw.append(line[6:])
+                        if line[6:] != "[DONE]":
+                            events.append(json.loads(line[6:]))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(consume)
+            with trio.fail_after(20):
+                while len(events) < 5:
+                    await trio.sleep(0.01)
+            r = await c.post(f"{CHAT}/cancel-me/cancel")
+            assert r.status_code == 200
+            assert r.json() == {"id": "cancel-me", "object": "chat.completion.cancellation",
+                                "cancelled": True}
+        assert events[-1]["choices"][0]["finish_reason"] == "cancelled"
+        assert raw[-1] == "[DONE]"
+        r = await c.post(f"{CHAT}/cancel-me/cancel")
+        assert r.status_code == 404 and r.json()["cancelled"] is False
+        r = await c.post(f"{CHAT}/never-existed/cancel")
+        assert r.status_code == 404
+        assert engine.statistics().running == 0
+
+
+async def test_duplicate_id_is_409(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        async with c.stream("POST", CHAT, json=body("word " * 2000, stream=True),
+                            headers={"X-Request-ID": "dup"}) as r1:
+            async for _ in r1.aiter_lines():
+                break
+            r2 = await c.post(CHAT, json=body("x"), headers={"X-Request-ID": "dup"})
+            assert r2.status_code == 409
+            assert r2.json()["error"]["code"] == "duplicate_request_id"
+            await c.post(f"{CHAT}/dup/cancel")
+
+
+async def test_profile_events(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        _, events, raw = await sse(c, body("profile", stream=True, stream_options={"include_usage": True}),
+                                   {"X-AFM-Profile": "true"})
+        assert "usage" in events[-2] and "afm_profile" in events[-1]
+        assert "choices" not in events[-1] and raw[-1] == "[DONE]"
+        _, events, _ = await sse(c, body("profile", stream=True), {"X-AFM-Profile": "extended"})
+        ext = events[-1]["afm_profile_extended"]
+        assert set(ext) == {"summary", "samples"}
+        r = await c.post(CHAT, json=body("profile"), headers={"X-AFM-Profile": "true"})
+        assert "afm_profile" in r.json()
+        r = await c.post(CHAT, json=body("profile"), headers={"X-AFM-Profile": "bogus"})
+        assert r.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "payload,status",
+    [
+        (b"{not json", 400),
+        (b"[]", 400),
+        (b'{"messages": []}', 400),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400),
+        (b'{"messages": [{"role": "user", "content": 5}]}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400),
+        (b"\xff\xfe", 400),
+        (b"[" * 5000 + b"]" * 5000, 400),
+    ],
+)
+async def test_bad_requests_get_envelopes(echo_model_dir: Path, payload: bytes, status: int) -> None:
+    async with running_server(echo_model_dir, ) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        r = await c.post(CHAT, content=payload, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert r.headers["x-request-id"]
+        ok = await c.post(CHAT, json=body("still fine"))
+        assert ok.json()["choices"][0]["message"]["content"] == "still fine"
+
+
+async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
+    cfg = ServerConfig(api_key="s3cret", max_body_bytes=2000)
+    async with running_server(echo_model_dir, server=cfg) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        assert (await c.get("/health")).status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = await c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await c.post(CHAT, json=body("x"), headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        r = await c.get("/v1/models", headers=auth)
+        assert r.json()["data"][0]["context_length"] == 32768
+        r = await c.post(CHAT, json=body("y" * 5000), headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = await c.get("/nope", headers=auth)
+        assert r.status_code == 404 and "error" in r.json()
+        r = await c.get(CHAT, headers=auth)
+        assert r.status_code == 405
+        r = await c.post(CHAT, json=body("x"), headers={**auth, "X-Request-ID": "bad id\twith tab"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-ID"
+        assert r.headers["x-request-id"] != "bad id\twith tab"
+        metrics = (await c.get("/metrics", headers=auth)).text
+        assert "afm_requests_running" in metrics and "afm_time_to_first_token_seconds_count" in metrics
+        assert "Access-Control-Allow-Origin" not in r.headers
+
+
+async def test_busy_is_503_with_retry_after(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir, max_batch=1, max_waiting=0) as (url, engine), \
+            httpx.AsyncClient(base_url=url) as c:
+        async with c.stream("POST", CHAT, json=body("word " * 2000, stream=True),
+                            headers={"X-Request-ID": "hog"}) as r1:
+            async for _ in r1.aiter_lines():
+                break
+            r2 = await c.post(CHAT, json=body("x"))
+            assert r2.status_code == 503 and int(r2.headers["retry-after"]) >= 1
+            assert r2.json()["error"]["code"] == "engine_busy"
+            await c.post(f"{CHAT}/hog/cancel")
+        ok = await c.post(CHAT, json=body("served again"))
+        assert ok.json()["choices"][0]["message"]["content"] == "served again"
+
+
+async def test_client_disconnect_frees_slot(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine):
+        async with httpx.AsyncClient(base_url=url) as c:
+            async with c.stream("POST", CHAT, json=body("word " * 5000, stream=True)) as r:
+                n = 0
+                async for _ in r.aiter_lines():
+                    n += 1
+                    if n > 10:
+                        break
+        with trio.fail_after(10):
+            while engine.statistics().running or engine.statistics().requests_active:
+                await trio.sleep(0.01)
+        steps = engine.statistics().steps
+        await trio.sleep(0.2)
+        assert engine.statistics().steps == steps
+
+
+async def test_32_concurrent_streams(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), \
+            httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=64)) as c:
+        results: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            _, events, raw = await sse(c, body(f"stream number {i} " * (1 + i % 5), stream=True))
+            assert raw[-1] == "[DONE]"
+            results[i] = text_of(events)
+
+        async with trio.open_nursery() as n:
+            for i in range(32):
+                n.start_soon(one, i)
+        assert all(results[i] == f"stream number {i} " * (1 + i % 5) for i in range(32))
+        assert engine.statistics().running == 0
