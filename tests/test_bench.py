@@ -372,3 +372,16 @@ def test_end_to_end_against_mlx_lm_server(random_model_dir: Path, tmp_path: Path
     assert check["checked"] == 12 and check["mismatched"] == 0
     assert rep["config"]["workload"]["seed"] == 0
     assert list((out / "logs").glob("mlx_lm_server-*.log"))
+
+
+def test_plan_uses_disjoint_jobs() -> None:
+    from afm_core.bench._run import BenchConfig, plan
+
+    cfg = BenchConfig(model="/m", out_dir="/o", concurrency=(1, 8), requests=None,
+                      rates=(5.0,), open_requests=10, warmup=3)
+    workload, levels, warmup = plan(cfg)
+    spans = [(lv.first_index, lv.first_index + lv.n) for lv in [*levels, warmup]]
+    assert [lv.n for lv in levels] == [32, 32, 10] and warmup.n == 3
+    assert spans == [(0, 32), (32, 64), (64, 74), (74, 77)]
+    assert len(workload.jobs) == 77  # every request a distinct prompt
+    assert len(levels[2].schedule) == 10 and levels[2].mode == "open"

@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--level-timeout", type=float, default=300.0, help="seconds per level per target")
     a("--time-budget", type=float, default=1800.0, help="seconds for the whole run")
     a("--startup-timeout", type=float, default=180.0, help="seconds for a server to be healthy")
-    a("--peer-decode-concurrency", type=int, default=None,
-      help="mlx_lm.server --decode-concurrency (default: the largest level)")
+    a("--max-batch", type=int, default=None,
+      help="streams decoded together by both servers: afm serve --max-batch and "
+           "mlx_lm.server --decode-concurrency (default: the largest level)")
     a("--profile", action="store_true", help="send X-AFM-Profile: extended and keep the profiles")
     a("--url", default=None, help="also benchmark an already running loopback server")
     a("--url-model", default=None, help="'model' field for --url (default: omitted)")
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         level_timeout=args.level_timeout,
         time_budget=args.time_budget,
         startup_timeout=args.startup_timeout,
-        peer_decode_concurrency=args.peer_decode_concurrency,
+        max_batch=args.max_batch,
         profile=args.profile,
         url=args.url,
         url_model=args.url_model,

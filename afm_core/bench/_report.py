@@ -96,6 +96,15 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{_fmt(_p(s, 'ttft_ms', 'p99')):>7} {_fmt(_p(s, 'itl_ms'), '.2f'):>8} "
                 f"{_fmt(_p(s, 'itl_ms', 'p99'), '.2f'):>7} {_fmt(_p(s, 'e2e_ms')):>8} "
                 f"{s['ok']:>5}  {errs}")
+        for target, s in by.items():
+            prof = s.get("profile")
+            if prof:
+                keys = ("decode_tok_s", "prefill_tok_s", "ttft_s", "batch_size_mean",
+                        "cached_tokens", "memory_peak_gib")
+                means = prof["summary_mean"]
+                shown = " ".join(f"{k}={means[k]:.4g}" for k in keys if k in means)
+                lines.append(f"{entry['label']:<11} {target + ' prof':<14} "
+                             f"({prof['captured']} profiles, means) {shown}")
         ovp = entry.get("ours_vs_peer")
         if ovp:
             lines.append(

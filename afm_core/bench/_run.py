@@ -49,7 +49,7 @@ class BenchConfig:
     level_timeout: float = 300.0
     time_budget: float = 1800.0
     startup_timeout: float = 180.0
-    peer_decode_concurrency: int | None = None
+    max_batch: int | None = None  # both servers; None -> the largest level
     profile: bool = False
     url: str | None = None
     url_model: str | None = None
@@ -71,8 +71,10 @@ class Level:
     schedule: tuple[float, ...] = ()
 
 
-def plan(cfg: BenchConfig) -> tuple[Workload, list[Level]]:
-    """The seeded workload and the levels, with disjoint job ranges."""
+def plan(cfg: BenchConfig) -> tuple[Workload, list[Level], Level]:
+    """The seeded workload, the levels and the warm-up, on disjoint job
+    ranges (so no server sees a prompt twice and prefix caches only ever
+    share the chat template's header)."""
     levels: list[Level] = []
     nxt = 0
     for c in cfg.concurrency:
@@ -83,9 +85,11 @@ def plan(cfg: BenchConfig) -> tuple[Workload, list[Level]]:
         sched = tuple(poisson_schedule(rate, cfg.open_requests, cfg.seed + 1000 + k))
         levels.append(Level("open", rate, cfg.open_requests, nxt, sched))
         nxt += cfg.open_requests
-    workload = make_workload(cfg.seed, max(1, nxt), prompt_words=cfg.prompt_words,
+    warm_c = max(1, min(4, max(cfg.concurrency, default=1)))
+    warmup = Level("closed", float(warm_c), cfg.warmup, nxt)
+    workload = make_workload(cfg.seed, max(1, nxt + cfg.warmup), prompt_words=cfg.prompt_words,
                              max_tokens=cfg.max_tokens)
-    return workload, levels
+    return workload, levels, warmup
 
 
 def _log(msg: str) -> None:
@@ -101,11 +105,12 @@ def _brief(run: RunResult) -> str:
 
 
 async def _served_levels(target: _loadgen.Target, workload: Workload, levels: list[Level],
-                         cfg: BenchConfig, runs: list[RunResult]) -> None:
-    if cfg.warmup > 0:
-        c = max(1, min(4, max(cfg.concurrency, default=1)))
-        await _loadgen.run_closed(target, workload, c, cfg.warmup, level_timeout=cfg.level_timeout,
-                                  request_timeout=cfg.request_timeout)
+                         warmup: Level, cfg: BenchConfig, runs: list[RunResult]) -> None:
+    if warmup.n > 0:
+        await _loadgen.run_closed(target, workload, int(warmup.level), warmup.n,
+                                  level_timeout=cfg.level_timeout,
+                                  request_timeout=cfg.request_timeout,
+                                  first_index=warmup.first_index)
     for lv in levels:
         if lv.mode == "closed":
             run = await _loadgen.run_closed(
@@ -119,15 +124,16 @@ async def _served_levels(target: _loadgen.Target, workload: Workload, levels: li
         _log(_brief(run))
 
 
-async def _raw_levels(model: str, workload: Workload, levels: list[Level], cfg: BenchConfig,
-                      runs: list[RunResult], notes: dict[str, Any]) -> None:
+async def _raw_levels(model: str, workload: Workload, levels: list[Level], warmup: Level,
+                      cfg: BenchConfig, runs: list[RunResult], notes: dict[str, Any]) -> None:
     runner = RawRunner(model)
     try:
         await runner.load()
         notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
-        if cfg.warmup > 0:
-            await runner.run_closed(workload, max(1, min(4, max(cfg.concurrency, default=1))),
-                                    cfg.warmup, level_timeout=cfg.level_timeout)
+        if warmup.n > 0:
+            await runner.run_closed(workload, int(warmup.level), warmup.n,
+                                    level_timeout=cfg.level_timeout,
+                                    first_index=warmup.first_index)
         for lv in levels:
             if lv.mode == "closed":
                 run = await runner.run_closed(workload, int(lv.level), lv.n,
@@ -201,7 +207,7 @@ def _prompt_token_check(runs: list[RunResult], raw_tokens: list[int] | None,
 
 async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run every requested target and return the report dict."""
-    workload, levels = plan(cfg)
+    workload, levels, warmup = plan(cfg)
     runs: list[RunResult] = []
     skipped: dict[str, str] = {}
     notes: dict[str, Any] = {}
@@ -218,7 +224,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             async with _servers.serving(spec, port, log_dir,
                                         startup_timeout=cfg.startup_timeout) as base:
                 target = _loadgen.Target(name, base, model=spec.model_field, profile=cfg.profile)
-                await _served_levels(target, workload, levels, cfg, runs)
+                await _served_levels(target, workload, levels, warmup, cfg, runs)
         except _servers.ServerStartError as exc:
             skipped[name] = f"failed to start: {str(exc)[:500]}"
             _log(skipped[name])
@@ -226,21 +232,21 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
     if "raw" in cfg.targets:
-        steps.append((RAW, lambda: _raw_levels(cfg.model, workload, levels, cfg, runs, notes)))
+        steps.append((RAW, lambda: _raw_levels(cfg.model, workload, levels, warmup, cfg, runs, notes)))
+    batch = cfg.max_batch or max(cfg.concurrency, default=32)
     if "peer" in cfg.targets:
-        dc = cfg.peer_decode_concurrency or max(cfg.concurrency, default=32)
         steps.append((PEER, lambda: start_server(PEER, lambda p: _servers.peer_spec(
-            cfg.model, p, decode_concurrency=dc, extra=cfg.peer_args))))
+            cfg.model, p, decode_concurrency=batch, extra=cfg.peer_args))))
     if "ours" in cfg.targets:
         if _servers.ours_available():
             steps.append((OURS, lambda: start_server(OURS, lambda p: _servers.ours_spec(
-                cfg.model, p, extra=cfg.serve_args))))
+                cfg.model, p, max_batch=batch, extra=cfg.serve_args))))
         else:
             skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
     if cfg.url:
         _loadgen.require_loopback(cfg.url)
         url_target = _loadgen.Target("url", cfg.url, model=cfg.url_model, profile=cfg.profile)
-        steps.append(("url", lambda: _served_levels(url_target, workload, levels, cfg, runs)))
+        steps.append(("url", lambda: _served_levels(url_target, workload, levels, warmup, cfg, runs)))
 
     with trio.move_on_after(cfg.time_budget) as budget:
         for name, step in steps:

@@ -57,11 +57,15 @@ def ours_available() -> bool:
         return False
 
 
-def ours_spec(model_dir: str | Path, port: int, extra: tuple[str, ...] = ()) -> ServerSpec:
-    """``afm serve --model DIR --host 127.0.0.1 --port P``."""
-    argv = (sys.executable, "-m", "afm_core._cli", "serve", "--model", str(model_dir),
-            "--host", HOST, "--port", str(port), *extra)
-    return ServerSpec("ours", argv, model_field=None)
+def ours_spec(model_dir: str | Path, port: int, *, max_batch: int | None = None,
+              extra: tuple[str, ...] = ()) -> ServerSpec:
+    """``afm serve --model DIR --host 127.0.0.1 --port P --quiet`` (no access
+    log, like the peer at ``--log-level WARNING``)."""
+    argv: tuple[str, ...] = (sys.executable, "-m", "afm_core._cli", "serve", "--model",
+                             str(model_dir), "--host", HOST, "--port", str(port), "--quiet")
+    if max_batch is not None:
+        argv += ("--max-batch", str(max_batch))
+    return ServerSpec("ours", argv + extra, model_field=None)
 
 
 def peer_spec(model_dir: str | Path, port: int, *, decode_concurrency: int | None = None,
