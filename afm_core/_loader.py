@@ -61,12 +61,6 @@ def describe(path: Path, tokenizer: Any) -> ModelInfo:
 
 def guess_tool_format(template: str, vocab: dict[str, int]) -> str | None:
     """The tool-call wire format the model was trained on, from its template."""
-    try:
-        from ._tools import guess_format
-    except ImportError:
-        guess_format = None
-    if guess_format is not None:
-        return guess_format(template, vocab)
     if "<function=" in template:
         return "qwen3_coder"
     if "<tool_call>" in template or "<tool_call>" in vocab:

@@ -56,9 +56,9 @@ def _reasoning_stage(prompt_text: str, request: ChatRequest, info: ModelInfo) ->
 
 
 def _tool_stage(request: ChatRequest, info: ModelInfo) -> Any:
-    if not request.tools or request.tool_choice == "none" or info.tool_format is None:
+    if not request.tools or request.tool_choice == "none" or info.tool_format != "hermes":
         return None
-    from ._tools import make_tool_parser
+    from ._toolcalls import make_tool_parser
 
     return make_tool_parser(
         info.tool_format, tools=request.tools, parallel_tool_calls=request.parallel_tool_calls
@@ -68,10 +68,8 @@ def _tool_stage(request: ChatRequest, info: ModelInfo) -> Any:
 def _structured_stage(request: ChatRequest) -> Any:
     if request.response_format is None:
         return None
-    try:
-        from ._structured import make_structured_sanitizer
-    except ImportError:  # TEMP until the structured-output stage lands
-        return None
+    from ._structured_output import make_structured_sanitizer
+
     return make_structured_sanitizer(request.response_format)
 
 

@@ -108,10 +108,6 @@ async def test_reasoning_and_json_fence(echo_model_dir: Path) -> None:
         fenced = '```json\n{"ok": true}\n```'
         r = await c.post(CHAT, json=body(fenced, response_format={"type": "json_object"}))
         content = r.json()["choices"][0]["message"]["content"]
-        try:
-            import afm_core._structured  # noqa: F401
-        except ImportError:
-            pytest.skip("structured-output sanitizer not built yet")
         assert json.loads(content) == {"ok": True}
 
 
@@ -278,3 +274,36 @@ async def test_32_concurrent_streams(echo_model_dir: Path) -> None:
                 n.start_soon(one, i)
         assert all(results[i] == f"stream number {i} " * (1 + i % 5) for i in range(32))
         assert engine.statistics().running == 0
+
+
+async def test_tool_calls_stream_and_sdk_helper(echo_model_dir: Path) -> None:
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "read_file")]
+    said = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>')
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        _, events, raw = await sse(c, body(said, stream=True, tools=tools))
+        frags = [tc for e in events if e.get("choices") for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+        firsts = [f for f in frags if "id" in f]
+        assert [f["index"] for f in firsts] == [0, 1]
+        assert all(f["id"].startswith("call_") and f["type"] == "function" for f in firsts)
+        args = {}
+        for f in frags:
+            args[f["index"]] = args.get(f["index"], "") + f["function"]["arguments"]
+        assert json.loads(args[0]) == {"city": "Paris"} and json.loads(args[1]) == {"path": "README.md"}
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert text_of(events) == "Checking."
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        async with client.chat.completions.stream(
+                model="m", messages=[{"role": "user", "content": said}], tools=tools) as s:
+            async for _ in s:
+                pass
+            final = await s.get_final_completion()
+        calls = final.choices[0].message.tool_calls
+        assert [tc.function.name for tc in calls] == ["get_weather", "read_file"]
+        assert json.loads(calls[1].function.arguments) == {"path": "README.md"}
+        resp = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": said}], tools=tools, parallel_tool_calls=False)
+        assert len(resp.choices[0].message.tool_calls) == 1
+        assert resp.choices[0].finish_reason == "tool_calls"
+        await client.close()
