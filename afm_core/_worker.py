@@ -140,7 +140,8 @@ class Worker:
             max_tokens=1 << 30,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=self.max_batch,
-            prefill_batch_size=self.prefill_batch,
+            # mlx-lm widens the decode batch to the prefill batch: keep it within max_batch
+            prefill_batch_size=min(self.prefill_batch, self.max_batch),
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )

@@ -87,10 +87,16 @@ def _spm_json(vocab_size: int) -> str:
 
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    # A fixed alphabet (printable ASCII and the metaspace) makes training
+    # deterministic: with a frequency cut-off, ties between rare characters
+    # were broken differently from run to run.  Everything else falls back to
+    # <0xNN> bytes.
+    alphabet = [chr(c) for c in range(32, 127)] + ["▁"]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<unk>", "<s>", "</s>"],
-        limit_alphabet=60,  # rare characters fall back to <0xNN> bytes
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         show_progress=False,
     )
     tok.train_from_iterator(_lines(), trainer=trainer)
