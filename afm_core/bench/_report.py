@@ -117,6 +117,11 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("skipped"):
         for name, why in report["skipped"].items():
             lines.append(f"skipped {name}: {why}")
+    meta = report.get("meta", {})
+    if "loadavg_start" in meta:
+        lines.append(f"machine: {meta.get('cpu_count')} cpus, load average "
+                     f"{meta['loadavg_start'][0]:.2f} at start, "
+                     f"{meta.get('loadavg_end', [math.nan])[0]:.2f} at end")
     lines.append("tok/s from usage.completion_tokens over wall time; latencies in ms; "
                  "x raw = tok/s ratio to in-process BatchGenerator in this run.")
     return "\n".join(lines)

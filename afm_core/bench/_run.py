@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -182,7 +183,8 @@ def _meta(cfg: BenchConfig) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
         "mlx_device": str(mx.default_device()),
         "versions": {p: ver(p) for p in ("mlx", "mlx-lm", "httpx", "trio")},
     }
@@ -257,6 +259,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     config = asdict(cfg)
     config["workload"] = workload.describe()
     meta["elapsed_s"] = time.perf_counter() - t0
+    meta["loadavg_end"] = list(os.getloadavg())
     report = build_report(runs, meta=meta, config=config, skipped=skipped)
     report["checks"] = {"prompt_tokens_vs_raw":
                         _prompt_token_check(runs, notes.get("raw_prompt_tokens"), workload)}
