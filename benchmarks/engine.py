@@ -1,0 +1,105 @@
+"""In-process engine throughput vs raw mlx-lm ``BatchGenerator``, same run.
+
+    .venv/bin/python benchmarks/engine.py [--model DIR] [--levels 1,8,32] [--max-tokens 64]
+
+For each concurrency level C, 2*C requests with the same seeded prompts go
+through (a) mlx-lm's BatchGenerator driven directly with completion batch C
+(the physical limit: no detokenizer, no Trio, no pipeline) and (b)
+``afm_core.open_engine(max_batch=C)`` with every request streamed by a Trio
+task.  Greedy decoding, so both generate the same tokens.  Prints aggregate
+completion tokens/s and the ratio ours/raw.  The default model is the random
+tiny test model (float32), so engine overhead is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+import afm_core
+from afm_core.testing import make_random_model
+
+WORDS = "the quick brown fox jumps over a lazy dog while local inference streams tokens".split()
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    rnd = random.Random(seed)
+    return [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(20, 60))) for _ in range(n)]
+
+
+def raw(model_dir: Path, texts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    model, tok = mlx_lm.load(str(model_dir))
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+           for t in texts]
+    gen = BatchGenerator(model, stop_tokens=[[e] for e in tok.eos_token_ids],
+                         completion_batch_size=concurrency,
+                         prefill_batch_size=min(8, concurrency))
+    # warm-up
+    gen.insert(ids[:1], max_tokens=[4])
+    while gen.next_generated():
+        pass
+    t0 = time.perf_counter()
+    gen.insert(ids, max_tokens=[max_tokens] * len(ids))
+    tokens = 0
+    while True:
+        out = gen.next_generated()
+        if not out:
+            break
+        tokens += len(out)
+    dt = time.perf_counter() - t0
+    gen.close()
+    return tokens, dt
+
+
+async def ours(model_dir: Path, texts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
+    async with afm_core.open_engine(model_dir, max_batch=concurrency, max_waiting=len(texts),
+                                    prefix_cache_bytes=0) as engine:
+        warm = afm_core.ChatRequest.from_openai(
+            {"messages": [{"role": "user", "content": texts[0]}], "max_tokens": 4, "temperature": 0})
+        await engine.complete(warm)
+        total = 0
+
+        async def one(text: str) -> None:
+            nonlocal total
+            r = afm_core.ChatRequest.from_openai({"messages": [{"role": "user", "content": text}],
+                                                  "max_tokens": max_tokens, "temperature": 0})
+            async with engine.stream(r) as s:
+                async for ev in s:
+                    if isinstance(ev, afm_core.Usage):
+                        total += ev.completion_tokens
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n:
+            for t in texts:
+                n.start_soon(one, t)
+        return total, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    model = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
+    print(f"model: {model}\n")
+    print(f"{'C':>4} {'raw tok/s':>10} {'ours tok/s':>11} {'ratio':>6}")
+    for c in [int(x) for x in args.levels.split(",")]:
+        texts = prompts(2 * c, seed=c)
+        rt, rd = raw(model, texts, c, args.max_tokens)
+        ot, od = trio.run(ours, model, texts, c, args.max_tokens)
+        r_rate, o_rate = rt / rd, ot / od
+        print(f"{c:>4} {r_rate:>10.1f} {o_rate:>11.1f} {o_rate / r_rate:>6.3f}   "
+              f"(raw {rt} tok in {rd:.2f}s, ours {ot} tok in {od:.2f}s)")
+
+
+if __name__ == "__main__":
+    main()
