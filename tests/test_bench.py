@@ -339,11 +339,14 @@ def test_public_names() -> None:
 # --- end to end: raw + mlx_lm.server on the tiny model ---------------------------------
 
 
-def test_end_to_end_against_mlx_lm_server(random_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("order", ["by-target", "interleave"])
+def test_end_to_end_against_mlx_lm_server(random_model_dir: Path, tmp_path: Path,
+                                          order: str) -> None:
     from afm_core._cli import main
 
     out = tmp_path / "bench"
-    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw,peer",
+    flags = ["--interleave"] if order == "interleave" else []
+    rc = main(["bench", *flags, "--model", str(random_model_dir), "--targets", "raw,peer",
                "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8",
                "--prompt-words", "8:16", "--warmup", "1", "--rate", "20",
                "--open-requests", "4", "--request-timeout", "20", "--level-timeout", "30",
@@ -371,6 +374,7 @@ def test_end_to_end_against_mlx_lm_server(random_model_dir: Path, tmp_path: Path
     check = rep["checks"]["prompt_tokens_vs_raw"]["mlx_lm.server"]
     assert check["checked"] == 12 and check["mismatched"] == 0
     assert rep["config"]["workload"]["seed"] == 0
+    assert rep["config"]["interleave"] is (order == "interleave")
     assert list((out / "logs").glob("mlx_lm_server-*.log"))
 
 

@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-batch", type=int, default=None,
       help="streams decoded together by both servers: afm serve --max-batch and "
            "mlx_lm.server --decode-concurrency (default: the largest level)")
+    a("--interleave", action="store_true",
+      help="start every target up front and run each level on all of them back to back "
+           "(fairer on a busy machine; all models in memory at once)")
     a("--profile", action="store_true", help="send X-AFM-Profile: extended and keep the profiles")
     a("--url", default=None, help="also benchmark an already running loopback server")
     a("--url-model", default=None, help="'model' field for --url (default: omitted)")
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         max_batch=args.max_batch,
         profile=args.profile,
+        interleave=args.interleave,
         url=args.url,
         url_model=args.url_model,
         serve_args=tuple(args.serve_arg),

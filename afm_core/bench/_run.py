@@ -1,9 +1,13 @@
 """One benchmark run: raw, then each server, level by level, then the report.
 
-Targets run one after another (never two at once: the model would compete
-with itself for the same cores).  Each target gets the same jobs at the same
-level, warms up first, and is bounded by the level and total time budgets;
-servers started here are always stopped before the next one starts.
+Targets are never measured at the same time (the model would compete with
+itself for the same cores).  By default each target runs all its levels and
+is stopped before the next starts (one model in memory at a time); with
+``interleave`` all targets are up at once and each level runs on every
+target back to back, so slow drift in machine load hits all of them alike.
+Each target gets the same jobs at the same level, warms up first, and is
+bounded by the level and total time budgets; servers started here are always
+stopped on the way out.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,7 @@ class BenchConfig:
     startup_timeout: float = 180.0
     max_batch: int | None = None  # both servers; None -> the largest level
     profile: bool = False
+    interleave: bool = False  # all targets up at once, level by level
     url: str | None = None
     url_model: str | None = None
     serve_args: tuple[str, ...] = ()
@@ -105,49 +110,45 @@ def _brief(run: RunResult) -> str:
             f"TTFT p50 {ttft if ttft is not None else math.nan:.1f} ms, errors {s['errors']}")
 
 
-async def _served_levels(target: _loadgen.Target, workload: Workload, levels: list[Level],
-                         warmup: Level, cfg: BenchConfig, runs: list[RunResult]) -> None:
-    if warmup.n > 0:
-        await _loadgen.run_closed(target, workload, int(warmup.level), warmup.n,
-                                  level_timeout=cfg.level_timeout,
-                                  request_timeout=cfg.request_timeout,
-                                  first_index=warmup.first_index)
-    for lv in levels:
+class _Served:
+    """A served target: one level is one load-generator run."""
+
+    def __init__(self, target: _loadgen.Target, workload: Workload, cfg: BenchConfig) -> None:
+        self.name = target.name
+        self._target, self._workload, self._cfg = target, workload, cfg
+
+    async def level(self, lv: Level) -> RunResult:
+        cfg = self._cfg
         if lv.mode == "closed":
-            run = await _loadgen.run_closed(
-                target, workload, int(lv.level), lv.n, level_timeout=cfg.level_timeout,
-                request_timeout=cfg.request_timeout, first_index=lv.first_index)
-        else:
-            run = await _loadgen.run_open(
-                target, workload, lv.level, lv.schedule, level_timeout=cfg.level_timeout,
-                request_timeout=cfg.request_timeout, first_index=lv.first_index)
-        runs.append(run)
-        _log(_brief(run))
+            return await _loadgen.run_closed(
+                self._target, self._workload, int(lv.level), lv.n,
+                level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
+                first_index=lv.first_index)
+        return await _loadgen.run_open(
+            self._target, self._workload, lv.level, lv.schedule,
+            level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
+            first_index=lv.first_index)
 
 
-async def _raw_levels(model: str, workload: Workload, levels: list[Level], warmup: Level,
-                      cfg: BenchConfig, runs: list[RunResult], notes: dict[str, Any]) -> None:
-    runner = RawRunner(model)
-    try:
-        await runner.load()
-        notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
-        if warmup.n > 0:
-            await runner.run_closed(workload, int(warmup.level), warmup.n,
-                                    level_timeout=cfg.level_timeout,
-                                    first_index=warmup.first_index)
-        for lv in levels:
-            if lv.mode == "closed":
-                run = await runner.run_closed(workload, int(lv.level), lv.n,
-                                              level_timeout=cfg.level_timeout,
-                                              first_index=lv.first_index)
-            else:
-                run = await runner.run_open(workload, lv.level, lv.schedule,
-                                            level_timeout=cfg.level_timeout,
-                                            first_index=lv.first_index)
-            runs.append(run)
-            _log(_brief(run))
-    finally:
-        await runner.aclose()
+class _Raw:
+    """The in-process raw limit."""
+
+    name = RAW
+
+    def __init__(self, runner: RawRunner, workload: Workload, cfg: BenchConfig) -> None:
+        self._runner, self._workload, self._cfg = runner, workload, cfg
+
+    async def level(self, lv: Level) -> RunResult:
+        if lv.mode == "closed":
+            return await self._runner.run_closed(self._workload, int(lv.level), lv.n,
+                                                 level_timeout=self._cfg.level_timeout,
+                                                 first_index=lv.first_index)
+        return await self._runner.run_open(self._workload, lv.level, lv.schedule,
+                                           level_timeout=self._cfg.level_timeout,
+                                           first_index=lv.first_index)
+
+
+_Driver = _Served | _Raw
 
 
 def _meta(cfg: BenchConfig) -> dict[str, Any]:
@@ -213,47 +214,77 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     runs: list[RunResult] = []
     skipped: dict[str, str] = {}
     notes: dict[str, Any] = {}
-    out_dir = Path(cfg.out_dir)
-    log_dir = out_dir / "logs"
+    log_dir = Path(cfg.out_dir) / "logs"
     meta = _meta(cfg)
     t0 = time.perf_counter()
-
-    async def start_server(name: str, spec_for: Callable[[int], _servers.ServerSpec]) -> None:
-        port = _servers.free_port()
-        spec = spec_for(port)
-        _log(f"starting {name}: {' '.join(spec.argv)}")
-        try:
-            async with _servers.serving(spec, port, log_dir,
-                                        startup_timeout=cfg.startup_timeout) as base:
-                target = _loadgen.Target(name, base, model=spec.model_field, profile=cfg.profile)
-                await _served_levels(target, workload, levels, warmup, cfg, runs)
-        except _servers.ServerStartError as exc:
-            skipped[name] = f"failed to start: {str(exc)[:500]}"
-            _log(skipped[name])
-        _log(f"stopped {name}")
-
-    steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
-    if "raw" in cfg.targets:
-        steps.append((RAW, lambda: _raw_levels(cfg.model, workload, levels, warmup, cfg, runs, notes)))
     batch = cfg.max_batch or max(cfg.concurrency, default=32)
-    if "peer" in cfg.targets:
-        steps.append((PEER, lambda: start_server(PEER, lambda p: _servers.peer_spec(
-            cfg.model, p, decode_concurrency=batch, extra=cfg.peer_args))))
-    if "ours" in cfg.targets:
-        if _servers.ours_available():
-            steps.append((OURS, lambda: start_server(OURS, lambda p: _servers.ours_spec(
-                cfg.model, p, max_batch=batch, extra=cfg.serve_args))))
-        else:
-            skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
+
+    names = [t for t in ALL_TARGETS if t in cfg.targets]
+    if "ours" in names and not _servers.ours_available():
+        names.remove("ours")
+        skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
     if cfg.url:
         _loadgen.require_loopback(cfg.url)
-        url_target = _loadgen.Target("url", cfg.url, model=cfg.url_model, profile=cfg.profile)
-        steps.append(("url", lambda: _served_levels(url_target, workload, levels, warmup, cfg, runs)))
+        names.append("url")
+
+    async def open_driver(name: str, stack: AsyncExitStack) -> _Driver | None:
+        """Start (or load) one target inside ``stack``; None if it failed."""
+        if name == "raw":
+            runner = RawRunner(cfg.model)
+            stack.push_async_callback(runner.aclose)
+            await runner.load()
+            notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
+            return _Raw(runner, workload, cfg)
+        if name == "url":
+            assert cfg.url is not None
+            return _Served(_loadgen.Target("url", cfg.url, model=cfg.url_model,
+                                           profile=cfg.profile), workload, cfg)
+        port = _servers.free_port()
+        if name == "peer":
+            spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch,
+                                      extra=cfg.peer_args)
+        else:
+            spec = _servers.ours_spec(cfg.model, port, max_batch=batch, extra=cfg.serve_args)
+        _log(f"starting {spec.name}: {' '.join(spec.argv)}")
+        try:
+            base = await stack.enter_async_context(
+                _servers.serving(spec, port, log_dir, startup_timeout=cfg.startup_timeout))
+        except _servers.ServerStartError as exc:
+            skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
+            _log(skipped[spec.name])
+            return None
+        stack.callback(_log, f"stopped {spec.name}")
+        return _Served(_loadgen.Target(spec.name, base, model=spec.model_field,
+                                       profile=cfg.profile), workload, cfg)
+
+    async def warm(driver: _Driver) -> None:
+        if warmup.n > 0:
+            await driver.level(warmup)
+
+    async def one_level(driver: _Driver, lv: Level) -> None:
+        run = await driver.level(lv)
+        runs.append(run)
+        _log(_brief(run))
 
     with trio.move_on_after(cfg.time_budget) as budget:
-        for name, step in steps:
-            _log(f"target {name}")
-            await step()
+        if cfg.interleave:
+            # every target up at once; each level runs on all targets back to back
+            async with AsyncExitStack() as stack:
+                drivers = [d for n in names if (d := await open_driver(n, stack)) is not None]
+                for d in drivers:
+                    await warm(d)
+                for lv in levels:
+                    for d in drivers:
+                        await one_level(d, lv)
+        else:
+            for n in names:
+                _log(f"target {n}")
+                async with AsyncExitStack() as stack:
+                    d = await open_driver(n, stack)
+                    if d is not None:
+                        await warm(d)
+                        for lv in levels:
+                            await one_level(d, lv)
     if budget.cancelled_caught:
         skipped["time_budget"] = f"total time budget of {cfg.time_budget:g} s ran out"
     config = asdict(cfg)
