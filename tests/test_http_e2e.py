@@ -307,3 +307,17 @@ async def test_tool_calls_stream_and_sdk_helper(echo_model_dir: Path) -> None:
         assert len(resp.choices[0].message.tool_calls) == 1
         assert resp.choices[0].finish_reason == "tool_calls"
         await client.close()
+
+
+async def test_grammar_downgraded_header(echo_model_dir: Path) -> None:
+    rf = {"type": "json_schema",
+          "json_schema": {"name": "r", "strict": True, "schema": {"type": "object"}}}
+    async with running_server(echo_model_dir, grammar=False) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
+        r, _, raw = await sse(c, body('{"a": 1}', stream=True, response_format=rf))
+        assert r.headers["x-grammar-constraints"] == "downgraded" and raw[-1] == "[DONE]"
+        r = await c.post(CHAT, json=body('{"a": 1}', response_format=rf))
+        assert r.headers["x-grammar-constraints"] == "downgraded"
+        assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": 1}
+        r = await c.post(CHAT, json=body('{"a": 1}'))
+        assert "x-grammar-constraints" not in r.headers
