@@ -260,6 +260,7 @@ async def test_run_closed_against_stub() -> None:
     s = run.summary()
     assert s["ok"] == 10 and s["errors"] == {}
     assert s["output_tokens"] == sum(j.max_tokens for j in wl.jobs)
+    assert s["client_cpu_s"] > 0 and s["client_cpu_share"] is not None
 
 
 async def test_open_loop_against_stub() -> None:

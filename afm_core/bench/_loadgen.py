@@ -268,6 +268,7 @@ async def run_closed(
     next_index = first_index
     end_index = first_index + n_requests
     t_start = time.perf_counter()
+    cpu_start = time.process_time()
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal next_index
@@ -290,7 +291,8 @@ async def run_closed(
                     nursery.start_soon(worker, client)
     duration = _last_end(results, t_start)
     return RunResult(target.name, "closed", float(concurrency), duration,
-                     _rebase(results, t_start), truncated=scope.cancelled_caught)
+                     _rebase(results, t_start), truncated=scope.cancelled_caught,
+                     client_cpu_s=time.process_time() - cpu_start)
 
 
 async def run_open(
@@ -307,6 +309,7 @@ async def run_open(
     are in flight; latencies count from the scheduled arrival."""
     results: list[RequestResult] = []
     t_start = time.perf_counter()
+    cpu_start = time.process_time()
 
     async def fire(i: int, t0: float) -> None:
         holder = RequestResult(index=i, start=t0)
@@ -327,7 +330,8 @@ async def run_open(
                     nursery.start_soon(fire, first_index + k, at)
     duration = _last_end(results, t_start)
     return RunResult(target.name, "open", rate, duration, _rebase(results, t_start),
-                     truncated=scope.cancelled_caught)
+                     truncated=scope.cancelled_caught,
+                     client_cpu_s=time.process_time() - cpu_start)
 
 
 def _last_end(results: list[RequestResult], t_start: float) -> float:

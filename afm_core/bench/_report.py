@@ -122,6 +122,11 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"machine: {meta.get('cpu_count')} cpus, load average "
                      f"{meta['loadavg_start'][0]:.2f} at start, "
                      f"{meta.get('loadavg_end', [math.nan])[0]:.2f} at end")
+    shares = [s["client_cpu_share"] for e in report["levels"] for s in e["by_target"].values()
+              if s.get("client_cpu_share") is not None]
+    if shares:
+        lines.append(f"load generator CPU: {min(shares):.2f}-{max(shares):.2f} cores "
+                     "(same machine as the servers; raw has no client)")
     lines.append("tok/s from usage.completion_tokens over wall time; latencies in ms; "
                  "x raw = tok/s ratio to in-process BatchGenerator in this run.")
     return "\n".join(lines)

@@ -45,6 +45,7 @@ class RunResult:
     duration: float
     requests: list[RequestResult]
     truncated: bool = False  # the level's time budget ran out
+    client_cpu_s: float | None = None  # CPU the load generator's process used
 
     @property
     def label(self) -> str:
@@ -71,6 +72,9 @@ class RunResult:
             "level": self.level,
             "duration_s": _finite(self.duration),
             "truncated": self.truncated,
+            "client_cpu_s": self.client_cpu_s,
+            "client_cpu_share": (None if self.client_cpu_s is None
+                                 else _finite(self.client_cpu_s / dur)),
             "requests": len(self.requests),
             "ok": len(ok),
             "errors": dict(sorted(errors.items())),
