@@ -30,6 +30,7 @@ test-pure: install
 bench: install
 	$(PY) benchmarks/stream_core.py
 	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/serve_bench.py --interleave
 
 lint: install
 	$(PY) -m pip install -q ruff mypy
