@@ -1,13 +1,37 @@
-"""OpenAI-style error responses for every failure before headers are sent."""
+"""OpenAI-style error responses for every failure before headers are sent.
+
+Every error body is the envelope ``{"error": {"message", "type", "param",
+"code"}}``.  Core errors carry their own status hint (``AFMError.status``);
+werkzeug's routing errors (404, 405, 413, ...) are mapped here.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from quart import Response
+from werkzeug.exceptions import HTTPException
 
 from afm_core._errors import AFMError, EngineBusyError
+from afm_core._sse import dumps
+
+__all__ = ["envelope", "error_response", "from_exception", "from_http_exception", "json_response"]
+
+_HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    414: "uri_too_long",
+    415: "unsupported_media_type",
+    431: "headers_too_large",
+}
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """``obj`` as compact UTF-8 JSON (lone surrogates escaped, never a crash)."""
+    return Response(dumps(obj), status=status, content_type="application/json", headers=headers or {})
 
 
 def envelope(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -18,13 +42,34 @@ def envelope(message: str, *, type: str = "invalid_request_error", param: str | 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> Response:
-    body = json.dumps(envelope(message, type=type, param=param, code=code))
-    return Response(body, status=status, content_type="application/json", headers=headers or {})
+    headers = dict(headers or {})
+    if status == 413:
+        # The unread rest of the body must not be parsed as the next request.
+        headers["Connection"] = "close"
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return json_response(envelope(message, type=type, param=param, code=code), status, headers)
 
 
 def from_exception(exc: AFMError) -> Response:
+    """The response for a core error raised before streaming began."""
     headers = {}
     if isinstance(exc, EngineBusyError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    body = json.dumps(exc.to_dict())
-    return Response(body, status=exc.status, content_type="application/json", headers=headers)
+    status = exc.status if 400 <= exc.status <= 599 else 500
+    err = exc.to_dict()["error"]
+    return error_response(status, err["message"], type=err["type"], param=err["param"],
+                          code=err["code"], headers=headers)
+
+
+def from_http_exception(exc: HTTPException, *, max_body_bytes: int) -> Response:
+    """404/405/413/... raised by routing or body reading."""
+    status = exc.code or 500
+    messages = {
+        404: "no such route",
+        405: "method not allowed for this route",
+        413: f"the request body exceeds {max_body_bytes} bytes",
+    }
+    message = messages.get(status) or exc.description or exc.name
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return error_response(status, message, type=kind, code=_HTTP_CODES.get(status))

@@ -1,41 +1,56 @@
-"""Prometheus text exposition of the engine's statistics."""
+"""Prometheus text exposition (format 0.0.4) of the engine's statistics."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+__all__ = ["CONTENT_TYPE", "escape_label", "render"]
 
-def render(stats: Any, model: str, http: dict[str, int]) -> str:
-    label = f'model="{model}"'
-    lines = []
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    def metric(name: str, kind: str, help_text: str, value: float, labels: str = label) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name}{{{labels}}} {value}")
+# (name, kind, help, EngineStatistics attribute)
+_SIMPLE = (
+    ("afm_requests_running", "gauge", "Streams in the decode batch.", "running"),
+    ("afm_requests_waiting", "gauge", "Admitted requests not yet decoding.", "waiting"),
+    ("afm_requests_active", "gauge", "Requests registered with the engine.", "requests_active"),
+    ("afm_requests_total", "counter", "Requests submitted to the engine.", "requests_total"),
+    ("afm_prompt_tokens_total", "counter", "Prompt tokens submitted.", "prompt_tokens"),
+    ("afm_generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
+    ("afm_prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.",
+     "prefix_cache_hits"),
+    ("afm_prefix_cache_lookups_total", "counter", "Prefix cache lookups.", "prefix_cache_lookups"),
+    ("afm_cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+     "cached_tokens"),
+    ("afm_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", "prefix_cache_bytes"),
+    ("afm_engine_steps_total", "counter", "Engine steps run.", "steps"),
+)
 
-    metric("afm_requests_running", "gauge", "Streams in the decode batch.", stats.running)
-    metric("afm_requests_waiting", "gauge", "Admitted requests not yet decoding.", stats.waiting)
-    metric("afm_requests_total", "counter", "Requests submitted to the engine.", stats.requests_total)
-    metric("afm_prompt_tokens_total", "counter", "Prompt tokens submitted.", stats.prompt_tokens)
-    metric("afm_generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens)
-    metric("afm_prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.",
-           stats.prefix_cache_hits)
-    metric("afm_prefix_cache_lookups_total", "counter", "Prefix cache lookups.", stats.prefix_cache_lookups)
-    metric("afm_cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-           stats.cached_tokens)
-    metric("afm_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", stats.prefix_cache_bytes)
-    metric("afm_engine_steps_total", "counter", "Engine steps run.", stats.steps)
-    lines.append("# HELP afm_time_to_first_token_seconds Submission to first event.")
-    lines.append("# TYPE afm_time_to_first_token_seconds summary")
+
+def escape_label(value: str) -> str:
+    """``value`` escaped for a label value (backslash, double quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _header(lines: list[str], name: str, kind: str, help_text: str) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+
+
+def render(stats: Any, model: str, http: Mapping[int, int]) -> str:
+    """The exposition text for ``stats`` (an ``EngineStatistics``) and HTTP status counts."""
+    label = f'model="{escape_label(model)}"'
+    lines: list[str] = []
+    for name, kind, help_text, attr in _SIMPLE:
+        _header(lines, name, kind, help_text)
+        lines.append(f"{name}{{{label}}} {getattr(stats, attr)}")
+    _header(lines, "afm_time_to_first_token_seconds", "summary", "Submission to first event.")
     lines.append(f"afm_time_to_first_token_seconds_sum{{{label}}} {stats.ttft_seconds_sum:.6f}")
     lines.append(f"afm_time_to_first_token_seconds_count{{{label}}} {stats.ttft_count}")
-    lines.append("# HELP afm_requests_finished_total Finished streams by finish reason.")
-    lines.append("# TYPE afm_requests_finished_total counter")
+    _header(lines, "afm_requests_finished_total", "counter", "Finished streams by finish reason.")
     for reason, n in sorted(stats.finished.items()):
-        lines.append(f'afm_requests_finished_total{{{label},reason="{reason}"}} {n}')
-    lines.append("# HELP afm_http_responses_total HTTP responses by status code.")
-    lines.append("# TYPE afm_http_responses_total counter")
+        lines.append(f'afm_requests_finished_total{{{label},reason="{escape_label(reason)}"}} {n}')
+    _header(lines, "afm_http_responses_total", "counter", "HTTP responses by status code.")
     for status, n in sorted(http.items()):
-        lines.append(f'afm_http_responses_total{{status="{status}"}} {n}')
+        lines.append(f'afm_http_responses_total{{status="{int(status)}"}} {n}')
     return "\n".join(lines) + "\n"
