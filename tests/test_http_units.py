@@ -1,0 +1,130 @@
+"""Pure parts of afm_http: body decoding, request ids, metrics text, error mapping."""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import afm_http
+from afm_core._errors import DuplicateRequestError, EngineBusyError, RequestError
+from afm_http._app import _authorized, _profile_mode
+from afm_http._body import parse_json
+from afm_http._errors import from_exception
+from afm_http._ids import MAX_ID_LENGTH, client_request_id, mint_request_id, valid_request_id
+from afm_http._metrics import escape_label, render
+
+
+def test_exported_names() -> None:
+    public = {n for n in dir(afm_http) if not n.startswith("_")
+              and not isinstance(getattr(afm_http, n), types.ModuleType)} - {"annotations"}
+    assert public == set(afm_http.__all__) == {
+        "ServerConfig", "create_app", "hypercorn_config", "serve_engine"}
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"{", b"\xff", b"NaN", b'{"a": Infinity}', b'{"a": -Infinity}', b'{"a": 1e400}',
+    b'{"a": ' + b"9" * 5000 + b"}", b'"\\ud800"', b'{"\\udfff": 1}', b'["ok", "\\ud83d"]',
+    b"[" * 100 + b"]" * 100, b"[" * 100000,
+])
+def test_parse_json_rejects_with_request_error(raw: bytes) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_json(raw)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+    assert info.value.param == "body" and info.value.message
+
+
+def test_parse_json_accepts_plain_json() -> None:
+    assert parse_json(b'{"a": [1, 2.5, "\\ud83d\\ude00", null, true]}') == \
+        {"a": [1, 2.5, "\U0001f600", None, True]}
+    assert parse_json(b"[" * 64 + b"]" * 64, max_depth=64) == json.loads(b"[" * 64 + b"]" * 64)
+    with pytest.raises(RequestError):
+        parse_json(b"[" * 65 + b"]" * 65, max_depth=64)
+
+
+@given(st.binary(max_size=64))
+def test_parse_json_only_raises_request_error(raw: bytes) -> None:
+    try:
+        parse_json(raw)
+    except RequestError:
+        pass
+
+
+def test_request_ids() -> None:
+    assert valid_request_id("stream-8f31") and valid_request_id("a" * MAX_ID_LENGTH)
+    for bad in ("", "a" * (MAX_ID_LENGTH + 1), "bad id", "x\r\nSet-Cookie: a=b", "-lead", "é",
+                "a/b", 'q"', "a\tb", "a\x00"):
+        assert not valid_request_id(bad), bad
+    minted = mint_request_id()
+    assert valid_request_id(minted) and minted != mint_request_id()
+    assert client_request_id("client-1") == ("client-1", True)
+    rid, ok = client_request_id("bad\nid")
+    assert not ok and valid_request_id(rid)
+    for blank in (None, "", "  "):
+        rid, ok = client_request_id(blank)
+        assert ok and rid.startswith("req_")
+
+
+def test_authorization() -> None:
+    assert _authorized("Bearer s3cret", "s3cret") and _authorized("bearer  s3cret ", "s3cret")
+    for header in (None, "", "s3cret", "Basic s3cret", "Bearer s3cre", "Bearer s3cretX",
+                   "Bearer \udcff"):
+        assert not _authorized(header, "s3cret"), header
+
+
+def test_profile_header() -> None:
+    assert [_profile_mode(v) for v in (None, "", "false", "0", "true", "TRUE", "1", "extended")] == \
+        [None, None, None, None, "basic", "basic", "basic", "extended"]
+    with pytest.raises(RequestError):
+        _profile_mode("yes please")
+
+
+async def test_error_mapping() -> None:
+    busy = from_exception(EngineBusyError(retry_after=2.4))
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "2"
+    assert from_exception(EngineBusyError(retry_after=0.1)).headers["Retry-After"] == "1"
+    dup = from_exception(DuplicateRequestError("taken"))
+    assert dup.status_code == 409
+    assert json.loads(await dup.get_data()) == {"error": {
+        "message": "taken", "type": "invalid_request_error", "param": None,
+        "code": "duplicate_request_id"}}
+    big = from_exception(RequestError("too big", status=413, code="request_too_large"))
+    assert big.status_code == 413 and big.headers["Connection"] == "close"
+
+
+@dataclass
+class _Stats:
+    running: int = 2
+    waiting: int = 1
+    requests_active: int = 3
+    requests_total: int = 10
+    prompt_tokens: int = 100
+    generation_tokens: int = 50
+    prefix_cache_hits: int = 4
+    prefix_cache_lookups: int = 9
+    cached_tokens: int = 30
+    prefix_cache_bytes: int = 4096
+    steps: int = 77
+    ttft_seconds_sum: float = 0.25
+    ttft_count: int = 10
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 7, "cancelled": 2})
+
+
+def test_metrics_text() -> None:
+    text = render(_Stats(), 'we"ird\\name\n', {200: 5, 404: 1})
+    lines = text.splitlines()
+    label = 'model="we\\"ird\\\\name\\n"'
+    assert f"afm_requests_running{{{label}}} 2" in lines
+    assert f"afm_prefix_cache_hits_total{{{label}}} 4" in lines
+    assert f"afm_time_to_first_token_seconds_count{{{label}}} 10" in lines
+    assert f'afm_requests_finished_total{{{label},reason="cancelled"}} 2' in lines
+    assert 'afm_http_responses_total{status="404"} 1' in lines
+    samples = [ln for ln in lines if not ln.startswith("#")]
+    assert all(len(ln.rsplit(" ", 1)) == 2 for ln in samples)
+    types_ = [ln.split()[2] for ln in lines if ln.startswith("# TYPE")]
+    assert len(types_) == len(set(types_))  # one TYPE line per metric family
+    assert escape_label("plain") == "plain"
