@@ -1,0 +1,192 @@
+"""End-to-end behaviours beyond the basic lifecycle: real hypercorn on 127.0.0.1.
+
+Generation faults, non-streaming cancel and disconnect, the random model,
+logprobs, reasoning-first streams, three tool calls, the models routes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from afm_core._pipeline import StreamPipeline
+from afm_http.testing import running_server
+
+CHAT = "/v1/chat/completions"
+
+
+def body(text: str, **kw: object) -> dict:
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+async def sse(client: httpx.AsyncClient, payload: dict, headers: dict | None = None):
+    """(response, parsed data events, raw data strings); checks the SSE framing."""
+    events, raw = [], []
+    async with client.stream("POST", CHAT, json=payload, headers=headers or {}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                raw.append(line[6:])
+                if line[6:] != "[DONE]":
+                    events.append(json.loads(line[6:]))
+            else:
+                assert line == "", line
+    return r, events, raw
+
+
+def joined(events: list, key: str) -> str:
+    return "".join(e["choices"][0]["delta"].get(key) or "" for e in events if e.get("choices"))
+
+
+async def wait_idle(engine) -> None:
+    with trio.fail_after(20):
+        while engine.statistics().requests_active:
+            await trio.sleep(0.01)
+
+
+async def test_generation_fault_is_an_error_chunk_then_done(
+        echo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_finish(self: StreamPipeline, out: list) -> None:
+        raise RuntimeError("injected fault")
+
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        monkeypatch.setattr(StreamPipeline, "finish", broken_finish)
+        r, events, raw = await sse(c, body("before the fault", stream=True,
+                                           stream_options={"include_usage": True}))
+        assert r.status_code == 200 and raw[-1] == "[DONE]"
+        assert joined(events, "content") == "before the fault"
+        err = events[-1]
+        assert err["choices"] == [] and "injected fault" in err["error"]["message"]
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+        # non-streaming: the same failure is an HTTP error with the envelope
+        r = await c.post(CHAT, json=body("fault"))
+        assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "sdk fault"}], stream=True)
+        with pytest.raises(openai.APIError, match="injected fault"):
+            async for _ in stream:
+                pass
+        monkeypatch.undo()
+        ok = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "healthy again"}])
+        assert ok.choices[0].message.content == "healthy again"
+        await client.close()
+        await wait_idle(engine)
+
+
+async def test_non_streaming_cancel_by_id(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        result: dict = {}
+
+        async def complete() -> None:
+            r = await c.post(CHAT, json=body("word " * 3000), headers={"X-Request-ID": "slow-1"})
+            result.update(status=r.status_code, data=r.json(), rid=r.headers["x-request-id"])
+
+        async with trio.open_nursery() as n:
+            n.start_soon(complete)
+            with trio.fail_after(20):
+                while engine.statistics().generation_tokens < 5:
+                    await trio.sleep(0.01)
+            r = await c.post(f"{CHAT}/slow-1/cancel")
+            assert r.status_code == 200 and r.json()["cancelled"] is True
+        assert result["status"] == 200 and result["rid"] == "slow-1"
+        choice = result["data"]["choices"][0]
+        assert choice["finish_reason"] == "cancelled"
+        assert ("word " * 3000).startswith(choice["message"]["content"])
+        assert (await c.post(f"{CHAT}/slow-1/cancel")).status_code == 404
+        assert (await c.post(f"{CHAT}/bad%20id/cancel")).json()["cancelled"] is False
+
+
+async def test_non_streaming_disconnect_frees_the_slot(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine):
+        async with httpx.AsyncClient(base_url=url) as c, trio.open_nursery() as n:
+            n.start_soon(lambda: c.post(CHAT, json=body("word " * 5000)))
+            with trio.fail_after(20):
+                while engine.statistics().generation_tokens < 5:
+                    await trio.sleep(0.01)
+            n.cancel_scope.cancel()  # the client goes away mid-generation
+        await wait_idle(engine)
+        assert engine.statistics().running == 0
+        assert engine.statistics().generation_tokens < 5000
+
+
+async def test_random_model_stream_and_sdk(random_model_dir: Path) -> None:
+    async with running_server(random_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        payload = body("hello there", stream=True, max_tokens=6, temperature=0,
+                       stream_options={"include_usage": True})
+        r, events, raw = await sse(c, payload)
+        assert raw[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        finish, usage = events[-2]["choices"][0]["finish_reason"], events[-1]["usage"]
+        assert finish in ("length", "stop") and 1 <= usage["completion_tokens"] <= 6
+        if finish == "length":
+            assert usage["completion_tokens"] == 6
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        resp = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=6,
+            temperature=0)
+        assert resp.choices[0].finish_reason == finish
+        assert resp.choices[0].message.content == joined(events, "content")
+        assert resp.usage is not None and resp.usage.completion_tokens == usage["completion_tokens"]
+        await client.close()
+        await wait_idle(engine)
+
+
+async def test_logprobs_and_reasoning_first(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        _, events, _ = await sse(c, body("<think>plan</think>ok", stream=True, logprobs=True,
+                                         top_logprobs=2))
+        first = events[0]["choices"][0]["delta"]
+        assert first["role"] == "assistant" and "content" not in first
+        assert joined(events, "reasoning_content") == "plan" and joined(events, "content") == "ok"
+        entries = [t for e in events if e.get("choices") and e["choices"][0]["logprobs"]
+                   for t in e["choices"][0]["logprobs"]["content"]]
+        assert entries and all(-9999.0 <= t["logprob"] <= 0 and len(t["top_logprobs"]) <= 2
+                               for t in entries)
+        r = await c.post(CHAT, json=body("<think>plan</think>ok"))
+        msg = r.json()["choices"][0]["message"]
+        assert msg["content"] == "ok" and msg["reasoning_content"] == "plan"
+
+
+async def test_three_tool_calls_fragments_by_index(echo_model_dir: Path) -> None:
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("alpha", "beta", "gamma")]
+    calls = [("alpha", {"text": "a longer argument " * 3}), ("beta", {"n": [1, 2, 3]}), ("gamma", {})]
+    said = "Plan." + "".join(
+        f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        _, events, raw = await sse(c, body(said, stream=True, tools=tools))
+        frags = [tc for e in events if e.get("choices")
+                 for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+        state: dict[int, dict] = {}
+        for f in frags:  # the client algorithm of the contract
+            s = state.setdefault(f["index"], {"id": None, "name": None, "args": "", "n": 0})
+            s["id"] = s["id"] or f.get("id")
+            s["name"] = s["name"] or f.get("function", {}).get("name")
+            s["args"] += f.get("function", {}).get("arguments") or ""
+            s["n"] += 1
+        assert sorted(state) == [0, 1, 2]
+        assert [state[i]["name"] for i in range(3)] == ["alpha", "beta", "gamma"]
+        assert [json.loads(state[i]["args"]) for i in range(3)] == [a for _, a in calls]
+        assert len({state[i]["id"] for i in range(3)}) == 3
+        assert state[0]["n"] > 2  # the arguments really arrive in fragments
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls" and raw[-1] == "[DONE]"
+        assert joined(events, "content") == "Plan."
+
+
+async def test_models_routes_with_sdk(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        listed = [m async for m in client.models.list()]
+        assert [m.id for m in listed] == [engine.model_id]
+        card = await client.models.retrieve(engine.model_id)
+        assert card.id == engine.model_id and card.model_extra["context_length"] == 32768
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("no-such-model")
+        await client.close()
