@@ -35,7 +35,7 @@ from . import _metrics
 from ._asgi import AFMQuart, close_when_done
 from ._body import MAX_DEPTH, parse_json
 from ._errors import error_response, from_exception, from_http_exception, json_response
-from ._ids import ID_RULE, client_request_id, valid_request_id
+from ._ids import ID_RULE, InFlight, client_request_id, valid_request_id
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -114,6 +114,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     statuses: Counter[int] = Counter()
+    inflight = app.afm_inflight = InFlight()
+
+    def drain() -> int:
+        """Cancel every request this app has open; each stream ends "cancelled", then [DONE]."""
+        return sum(engine.cancel(rid) for rid in inflight.ids())
+
+    app.afm_drain = drain
 
     @app.before_request
     async def _prepare() -> Response | None:
@@ -176,6 +183,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
         rid: str = g.afm_request_id
         stack = AsyncExitStack()
         close_when_done(stack)  # also closed if the body below never runs
+        stack.enter_context(inflight.hold(rid))
         stream = await stack.enter_async_context(
             engine.stream(chat, request_id=rid, profile=profile))
         headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}

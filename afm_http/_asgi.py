@@ -27,6 +27,8 @@ from typing import Any
 import trio
 from quart_trio import QuartTrio
 
+from ._ids import InFlight
+
 __all__ = ["AFMQuart", "close_when_done"]
 
 FINAL_SEND_SECONDS = 10.0
@@ -55,7 +57,14 @@ def _shield_final(send: Send) -> Send:
 
 
 class AFMQuart(QuartTrio):
-    """QuartTrio with guaranteed per-request cleanup and a shielded final send."""
+    """QuartTrio with guaranteed per-request cleanup and a shielded final send.
+
+    ``afm_inflight`` holds the request ids open with the engine and
+    ``afm_drain()`` cancels them (set by :func:`afm_http.create_app`).
+    """
+
+    afm_inflight: InFlight
+    afm_drain: Callable[[], int]
 
     async def asgi_app(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -4,16 +4,20 @@ A client id is echoed in response headers, used as the cancel path and
 written to log lines, so only a short, safe alphabet is accepted: it starts
 with a letter or digit and continues with letters, digits and ``. _ : -``
 (no CR/LF, spaces, quotes, slashes or non-ASCII), at most 128 characters.
-The engine keeps the in-flight registry (duplicates raise
-:class:`~afm_core._errors.DuplicateRequestError`, HTTP 409).
+The engine keeps the authoritative in-flight registry (duplicates raise
+:class:`~afm_core._errors.DuplicateRequestError`, HTTP 409); :class:`InFlight`
+only remembers which ids this app opened, to cancel them at shutdown.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["MAX_ID_LENGTH", "ID_RULE", "client_request_id", "mint_request_id", "valid_request_id"]
+__all__ = ["ID_RULE", "MAX_ID_LENGTH", "InFlight", "client_request_id", "mint_request_id", "valid_request_id"]
 
 MAX_ID_LENGTH = 128
 ID_RULE = f"1-{MAX_ID_LENGTH} characters of [A-Za-z0-9._:-], starting with a letter or digit"
@@ -41,3 +45,30 @@ def client_request_id(header: str | None) -> tuple[str, bool]:
     if valid_request_id(header):
         return header, True
     return mint_request_id(), False
+
+
+class InFlight:
+    """Request ids this app has open with the engine, so shutdown can cancel them.
+
+    An id is held from before ``engine.stream(...)`` is entered until after
+    it is left (a duplicate id briefly holds twice, hence the counts).
+    """
+
+    def __init__(self) -> None:
+        self._held: Counter[str] = Counter()
+
+    @contextmanager
+    def hold(self, request_id: str) -> Iterator[None]:
+        self._held[request_id] += 1
+        try:
+            yield
+        finally:
+            self._held[request_id] -= 1
+            if self._held[request_id] <= 0:
+                del self._held[request_id]
+
+    def ids(self) -> list[str]:
+        return list(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)

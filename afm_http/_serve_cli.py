@@ -1,4 +1,9 @@
-"""``afm serve``: the OpenAI-compatible server on hypercorn (trio worker)."""
+"""``afm serve``: the OpenAI-compatible server on hypercorn (trio worker).
+
+The engine and the server share one ``trio.run``; Ctrl-C or SIGTERM stops
+listening, cancels open requests (their streams end ``cancelled`` then
+``[DONE]``), and closes the engine.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +15,59 @@ import sys
 import trio
 
 
+def _int_at_least(lo: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be <= 65535")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="mlx-lm directory, .gguf file or Hugging Face repo id "
                              "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=9999)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="bind address (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=_port, default=9999, help="TCP port (0: any free port)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="allow this browser origin (repeatable; '*' for any)")
-    parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    parser.add_argument("--max-batch", type=int, default=32, help="streams decoded together")
-    parser.add_argument("--max-waiting", type=int, default=64,
-                        help="requests queued beyond --max-batch before 503")
-    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--default-max-tokens", type=int, default=None)
-    parser.add_argument("--no-grammar", action="store_true", help="run strict schemas best-effort")
+                        help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
+    parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=8 << 20,
+                        help="larger request bodies get 413 (default: 8 MiB)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-batch", type=_int_at_least(1), default=32,
+                        help="streams decoded together (default: 32)")
+    engine.add_argument("--max-waiting", type=_int_at_least(0), default=64,
+                        help="requests queued beyond --max-batch before 503 (default: 64)")
+    engine.add_argument("--prefill-batch", type=_int_at_least(1), default=8,
+                        help="prompts prefilled together (default: 8)")
+    engine.add_argument("--prefill-step", type=_int_at_least(1), default=2048,
+                        help="prompt tokens per prefill step (default: 2048)")
+    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=1 << 30,
+                        help="prompt prefix cache budget, 0 disables it (default: 1 GiB)")
+    engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
+                        help="cap for requests without max_tokens (default: the rest of the context)")
+    engine.add_argument("--no-grammar", action="store_true",
+                        help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
     parser.add_argument("--quiet", action="store_true", help="no access log")
+
+
+def _say(message: str) -> None:
+    print(f"afm: {message}", file=sys.stderr, flush=True)
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -37,40 +78,50 @@ async def _main(args: argparse.Namespace) -> None:
     from ._server import serve_engine
 
     path = await trio.to_thread.run_sync(resolve_model, args.model)
-    print(f"afm: loading {path}", file=sys.stderr, flush=True)
+    _say(f"loading {path}")
     server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                           max_body_bytes=args.max_body_bytes)
-    done = trio.Event()
-
-    async def shutdown_trigger() -> None:
-        await done.wait()
+    stop = trio.Event()
 
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                           prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
                            prefix_cache_bytes=args.prefix_cache_bytes,
                            default_max_tokens=args.default_max_tokens,
                            grammar=not args.no_grammar) as engine:
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(lambda task_status: serve_engine(
-                engine, host=args.host, port=args.port, server=server,
-                shutdown_trigger=shutdown_trigger, quiet=args.quiet, task_status=task_status))
-            print(f"afm: serving {engine.model_id} (context {engine.context_length} tokens) "
-                  f"on {', '.join(binds)} — OpenAI API at {binds[0]}/v1", file=sys.stderr, flush=True)
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    print("afm: shutting down", file=sys.stderr, flush=True)
-                    done.set()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                binds = await nursery.start(lambda task_status: serve_engine(
+                    engine, host=args.host, port=args.port, server=server,
+                    shutdown_trigger=stop.wait, quiet=args.quiet, task_status=task_status))
+                auth = ", API key required" if args.api_key else ""
+                _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
+                     f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")
+                async for signum in signals:
+                    _say(f"{signal.Signals(signum).name}: shutting down")
+                    stop.set()
                     break
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 0 on a clean shutdown, 1 when the server cannot start."""
     from afm_core._errors import AFMError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    status = 0
     try:
         trio.run(_main, args)
-    except AFMError as exc:
-        print(f"afm: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except* AFMError as group:
+        _say(str(_leaf(group)))
+        status = 1
+    except* OSError as group:
+        _say(f"cannot listen on {args.host}:{args.port}: {_leaf(group)}")
+        status = 1
+    except* KeyboardInterrupt:
         pass
-    return 0
+    return status

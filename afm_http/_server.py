@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -14,21 +14,47 @@ from afm_core._engine import Engine
 
 from ._app import ServerConfig, create_app
 
+__all__ = ["GRACEFUL_SECONDS", "hypercorn_config", "serve_engine"]
 
-def hypercorn_config(host: str, port: int, *, quiet: bool = False) -> Config:
+log = logging.getLogger("afm.http")
+
+GRACEFUL_SECONDS = 5.0
+
+
+def hypercorn_config(host: str = "127.0.0.1", port: int = 9999, *, quiet: bool = False) -> Config:
+    """Hypercorn settings for one HTTP/1.1 + h2c listener on ``host:port``."""
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.keep_alive_timeout = 75
-    config.graceful_timeout = 3
-    config.accesslog = None if quiet else "-"
-    config.errorlog = "-"
+    config.graceful_timeout = GRACEFUL_SECONDS
+    # through logging (one line each; the embedder configures handlers)
+    config.accesslog = None if quiet else logging.getLogger("hypercorn.access")
+    config.errorlog = logging.getLogger("hypercorn.error")
     return config
 
 
-async def serve_engine(engine: Engine, *, host: str, port: int, server: ServerConfig,
+async def serve_engine(engine: Engine, *, host: str = "127.0.0.1", port: int = 9999,
+                       server: ServerConfig | None = None,
                        shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
                        quiet: bool = False,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``engine`` until cancelled or until ``shutdown_trigger()`` returns.
+
+    ``task_status.started`` gets the bound URLs (``port=0`` picks a free port).
+    On the trigger, listening stops and every open request is cancelled, so
+    streams end with ``finish_reason: "cancelled"`` and ``[DONE]`` instead of
+    a cut connection; hypercorn then waits up to ``GRACEFUL_SECONDS``.
+    """
     app = create_app(engine, server)
+    trigger = None
+    if shutdown_trigger is not None:
+        user_trigger = shutdown_trigger
+
+        async def trigger() -> None:
+            await user_trigger()
+            n = app.afm_drain()
+            if n:
+                log.info("shutdown: cancelled %d open request(s)", n)
+
     await serve(app, hypercorn_config(host, port, quiet=quiet),  # type: ignore[arg-type]
-                shutdown_trigger=shutdown_trigger, task_status=task_status)
+                shutdown_trigger=trigger, task_status=task_status)

@@ -14,11 +14,17 @@ from afm_core._engine import Engine, open_engine
 from ._app import ServerConfig
 from ._server import serve_engine
 
+__all__ = ["running_server"]
+
 
 @asynccontextmanager
-async def running_server(model: str | Path, *, server: ServerConfig | None = None,
+async def running_server(model: str | Path | None, *, server: ServerConfig | None = None,
                          **engine_config: Any) -> AsyncIterator[tuple[str, Engine]]:
-    """``(base_url, engine)`` of a hypercorn server on 127.0.0.1 serving ``model``."""
+    """``(base_url, engine)`` of a hypercorn server on ``127.0.0.1:<free port>`` serving ``model``.
+
+    ``engine_config`` goes to :func:`open_engine` (``max_batch=1``, ``grammar=False`` ...).
+    Leaving the block stops the server (open connections are cut) and the engine.
+    """
     async with open_engine(model, **engine_config) as engine, trio.open_nursery() as nursery:
         binds = await nursery.start(lambda task_status: serve_engine(
             engine, host="127.0.0.1", port=0, server=server or ServerConfig(), quiet=True,
