@@ -147,12 +147,12 @@ async def test_duplicate_id_is_409(echo_model_dir: Path) -> None:
     async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
         async with c.stream("POST", CHAT, json=body("word " * 2000, stream=True),
                             headers={"X-Request-ID": "dup"}) as r1:
-            async for _ in r1.aiter_lines():
-                break
+            lines = r1.aiter_lines()  # kept alive: a dropped iterator closes the connection
+            await lines.__anext__()
             r2 = await c.post(CHAT, json=body("x"), headers={"X-Request-ID": "dup"})
             assert r2.status_code == 409
             assert r2.json()["error"]["code"] == "duplicate_request_id"
-            await c.post(f"{CHAT}/dup/cancel")
+            assert (await c.post(f"{CHAT}/dup/cancel")).status_code == 200
 
 
 async def test_profile_events(echo_model_dir: Path) -> None:
@@ -232,12 +232,12 @@ async def test_busy_is_503_with_retry_after(echo_model_dir: Path) -> None:
             httpx.AsyncClient(base_url=url) as c:
         async with c.stream("POST", CHAT, json=body("word " * 2000, stream=True),
                             headers={"X-Request-ID": "hog"}) as r1:
-            async for _ in r1.aiter_lines():
-                break
+            lines = r1.aiter_lines()  # kept alive: a dropped iterator closes the connection
+            await lines.__anext__()
             r2 = await c.post(CHAT, json=body("x"))
             assert r2.status_code == 503 and int(r2.headers["retry-after"]) >= 1
             assert r2.json()["error"]["code"] == "engine_busy"
-            await c.post(f"{CHAT}/hog/cancel")
+            assert (await c.post(f"{CHAT}/hog/cancel")).status_code == 200
         ok = await c.post(CHAT, json=body("served again"))
         assert ok.json()["choices"][0]["message"]["content"] == "served again"
 
