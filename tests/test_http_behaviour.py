@@ -190,3 +190,52 @@ async def test_models_routes_with_sdk(echo_model_dir: Path) -> None:
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("no-such-model")
         await client.close()
+
+
+async def test_32_mixed_clients_leave_nothing_behind(echo_model_dir: Path) -> None:
+    """Complete, cancelled-by-id, abandoned and non-streaming requests at once."""
+    async with running_server(echo_model_dir) as (url, engine), \
+            httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=64),
+                              timeout=120) as c:
+        outcome: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            text = f"client {i} says " + "word " * (150 if i % 4 in (1, 2) else 10)
+            rid = f"mix-{i}"
+            if i % 4 == 3:
+                r = await c.post(CHAT, json=body(text), headers={"X-Request-ID": rid})
+                assert r.json()["choices"][0]["message"]["content"] == text
+                outcome[i] = "complete"
+                return
+            events: list = []
+            async with c.stream("POST", CHAT, json=body(text, stream=True),
+                                headers={"X-Request-ID": rid}) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        outcome.setdefault(i, "done")
+                        break
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3 and i % 4 == 1:
+                        cancel = await c.post(f"{CHAT}/{rid}/cancel")
+                        assert cancel.status_code == 200
+                    if len(events) == 3 and i % 4 == 2:
+                        outcome[i] = "abandoned"
+                        return  # leaving the block drops the connection mid-stream
+            reason = events[-1]["choices"][0]["finish_reason"]
+            if i % 4 == 1:
+                assert reason == "cancelled" and text.startswith(joined(events, "content"))
+            else:
+                assert reason == "stop" and joined(events, "content") == text
+
+        async with trio.open_nursery() as n:
+            for i in range(32):
+                n.start_soon(one, i)
+        assert sorted(outcome) == list(range(32))
+        await wait_idle(engine)
+        stats = engine.statistics()
+        assert stats.running == 0 and stats.waiting == 0
+        assert stats.finished.get("cancelled", 0) >= 8
+        r = await c.post(CHAT, json=body("after the storm"))
+        assert r.json()["choices"][0]["message"]["content"] == "after the storm"
