@@ -11,11 +11,12 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 import trio
 
 
-def _int_at_least(lo: int):  # type: ignore[no-untyped-def]
+def _int_at_least(lo: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
