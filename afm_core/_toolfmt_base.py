@@ -44,7 +44,7 @@ DROP = 2  # discarded
 UNKNOWN = -1  # the name is not in the request's tool list
 DROPPED = -2  # parallel_tool_calls=false and a call was already made
 
-# A header not decided within this many characters is handled as "other".
+# Headers are decided on at most this many characters (so never by chunking).
 HEADER_LIMIT = 512
 
 
@@ -268,8 +268,8 @@ class JSONCallFormat(ToolFormat):
     def object_step(self, t: Tracker, buf: str) -> int:
         ph = self.obj
         if ph == O_HEAD:
-            pos, name = object_header(buf, 0)
-            if pos == NEED and len(buf) <= HEADER_LIMIT:
+            pos, name = object_header(buf[:HEADER_LIMIT], 0)
+            if pos == NEED and len(buf) < HEADER_LIMIT:
                 return -1
             if pos < 0:  # name not first (or no arguments key): capture it whole
                 self.obj = O_WHOLE

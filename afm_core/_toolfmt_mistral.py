@@ -71,9 +71,9 @@ class MistralFormat(JSONCallFormat):
         if ph == _NAME:
             return self._name(t, buf)
         if ph == _CALL_ID:
-            i = buf.find(ARGS)
+            i = buf.find(ARGS, 0, HEADER_LIMIT)
             if i < 0:
-                if len(buf) > HEADER_LIMIT:
+                if len(buf) >= HEADER_LIMIT:
                     self.verbatim(t)
                     return 0
                 return -1
@@ -125,7 +125,9 @@ class MistralFormat(JSONCallFormat):
                 self.phase = _OBJ
                 return i
             if c == "]":
-                self.raw = ""
+                if self.raw:  # an empty list is not a call
+                    self.verbatim(t, buf[: i + 1])
+                    return i + 1
                 self.phase = _AFTER
                 return i + 1
         self.verbatim(t)
@@ -133,12 +135,12 @@ class MistralFormat(JSONCallFormat):
 
     def _name(self, t: Tracker, buf: str) -> int:
         j, n = 0, len(buf)
-        while j < n and _ident(buf[j]):
+        while j < n and j <= HEADER_LIMIT and _ident(buf[j]):
             j += 1
+        if j > HEADER_LIMIT:
+            self.verbatim(t)
+            return 0
         if j == n:
-            if n > HEADER_LIMIT:
-                self.verbatim(t)
-                return 0
             return -1
         rest = buf[j:]
         for tag, phase in ((ARGS, _ARGS_START), (CALL_ID, _CALL_ID)):

@@ -201,9 +201,9 @@ class Qwen3CoderFormat(ToolFormat):
             return i
         # _PARAMS
         if rest.startswith(PARAM):
-            j = rest.find(">")
+            j = rest.find(">", 0, HEADER_LIMIT)
             if j < 0:
-                return -1 if len(rest) <= HEADER_LIMIT else i + 1
+                return -1 if len(rest) < HEADER_LIMIT else i + 1
             self.param = rest[len(PARAM) : j].strip()
             self.phase = _VALUE
             return i + j + 1
@@ -231,13 +231,13 @@ class Qwen3CoderFormat(ToolFormat):
                 return 0
             self._text(t)
             return 0
-        j = rest.find(">")
-        if j < 0:
-            if len(rest) <= HEADER_LIMIT and "<" not in rest[len(FUNC) :]:
-                return -1
+        j = rest.find(">", 0, HEADER_LIMIT)
+        if j < 0 and len(rest) < HEADER_LIMIT and "<" not in rest[len(FUNC) :]:
+            return -1
+        name = rest[len(FUNC) : j].strip() if j > 0 else ""
+        if not name or "<" in name or "\n" in name:
             self._verbatim(t)
             return 0
-        name = rest[len(FUNC) : j].strip()
         idx = t.open_call(name)
         if idx == UNKNOWN:
             self._verbatim(t, buf[: i + j + 1])
