@@ -180,6 +180,11 @@ class Engine:
     def model_path(self) -> Path:
         return self._info().path
 
+    @property
+    def healthy(self) -> bool:
+        """Running, with a live generation thread."""
+        return not self._closed and self._worker is not None and self._worker.fatal is None
+
     def _info(self) -> ModelInfo:
         if self.info is None:
             raise EngineClosedError("the engine is not running")
@@ -267,6 +272,8 @@ class Engine:
         """Submit ``request``; raises before yielding when it cannot be served."""
         if self._closed or self._worker is None:
             raise EngineClosedError("the engine is not running")
+        if self._worker.fatal is not None:
+            raise EngineClosedError(f"the generation thread failed: {self._worker.fatal}")
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
         rid = request_id or f"req_{secrets.token_hex(12)}"

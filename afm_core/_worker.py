@@ -273,32 +273,45 @@ class Worker:
                 events.append(StreamError(f"generation failed: {failed}"))
                 outputs[job.key] = (tuple(events), True)
                 continue
-            job.completion_tokens += 1
-            self.stats.generation_tokens += 1
-            reason = r.finish_reason
-            stopped = False
-            if not (reason == "stop" and r.token in self.eos):
-                stopped = job.pipeline.feed_token(r.token, events)
-                if job.request.logprobs:
-                    events.append(self._logprobs(r.token, r.logprobs, job.request.top_logprobs))
-            if job.profile is not None:
-                job.profile.step(now, job.completion_tokens, batch_size, active)
-            if stopped and reason is None:
-                reason = "stop"
-                gen.remove([r.uid])
-                self._forget(job)
-            elif reason is not None:
-                self._forget(job)
-                if self.prefix_cache_bytes > 0 and r.prompt_cache is not None:
-                    self._save_cache(r.all_tokens, r.prompt_cache)
-            if reason is not None:
-                if reason == "stop" and job.pipeline.saw_tool_call:
-                    reason = "tool_calls"
-                events.extend(self._end(job, reason))
+            try:
+                self._advance(job, r, events, outputs, now, batch_size, active)
+            except Exception as exc:  # noqa: BLE001 - one stream's fault ends only that stream
+                log.exception("stream processing failed")
+                if job.uid in self.jobs:
+                    self._remove(job, save_cache=False)
+                events.append(StreamError(f"stream processing failed: {exc}"))
                 outputs[job.key] = (tuple(events), True)
         for key, events in pending.items():
             if key not in outputs and events:
                 outputs[key] = (tuple(events), False)
+
+    def _advance(self, job: Job, r: Any, events: list[Event], outputs: Outputs, now: float,
+                 batch_size: int, active: int) -> None:
+        """Feed one generated token of ``job`` through its pipeline."""
+        gen = self.gen
+        job.completion_tokens += 1
+        self.stats.generation_tokens += 1
+        reason = r.finish_reason
+        stopped = False
+        if not (reason == "stop" and r.token in self.eos):
+            stopped = job.pipeline.feed_token(r.token, events)
+            if job.request.logprobs:
+                events.append(self._logprobs(r.token, r.logprobs, job.request.top_logprobs))
+        if job.profile is not None:
+            job.profile.step(now, job.completion_tokens, batch_size, active)
+        if stopped and reason is None:
+            reason = "stop"
+            gen.remove([r.uid])
+            self._forget(job)
+        elif reason is not None:
+            self._forget(job)
+            if self.prefix_cache_bytes > 0 and r.prompt_cache is not None:
+                self._save_cache(r.all_tokens, r.prompt_cache)
+        if reason is not None:
+            if reason == "stop" and job.pipeline.saw_tool_call:
+                reason = "tool_calls"
+            events.extend(self._end(job, reason))
+            outputs[job.key] = (tuple(events), True)
 
     def _update_stats(self) -> None:
         s, gen = self.stats, self.gen

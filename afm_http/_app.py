@@ -224,8 +224,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
     @app.get("/health")
     async def health() -> Response:
         stats = engine.statistics()
-        return json_response({"status": "ok", "model": engine.model_id,
-                              "running": stats.running, "waiting": stats.waiting})
+        ok = engine.healthy
+        return json_response({"status": "ok" if ok else "unavailable", "model": engine.model_id,
+                              "running": stats.running, "waiting": stats.waiting},
+                             status=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -301,3 +301,36 @@ async def test_strict_schema_is_enforced(random_model_dir: Path) -> None:
         async with engine.stream(req("x", response_format=rf, max_tokens=2)) as s:
             assert s.grammar_downgraded
             await s.collect()
+
+
+async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monkeypatch) -> None:
+    from afm_core._events import StreamError
+    from afm_core._pipeline import StreamPipeline
+
+    original = StreamPipeline.feed_token
+
+    def faulty(self, token_id, out):  # type: ignore[no-untyped-def]
+        result = original(self, token_id, out)
+        self.seen = getattr(self, "seen", "") + "".join(getattr(e, "text", "") for e in out)
+        if "POISON" in self.seen:
+            raise RuntimeError("injected pipeline fault")
+        return result
+
+    monkeypatch.setattr(StreamPipeline, "feed_token", faulty)
+    async with open_engine(echo_model_dir) as engine:
+        results: dict[str, list] = {}
+
+        async def run(name: str, text: str) -> None:
+            results[name] = await collect(engine, req(text))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(run, "bad", "POISON and more text after it")
+            n.start_soon(run, "good", "healthy neighbour " * 20)
+        assert isinstance(results["bad"][-1], StreamError)
+        assert "injected pipeline fault" in results["bad"][-1].message
+        assert content(results["good"]) == "healthy neighbour " * 20
+        assert engine.healthy
+        monkeypatch.setattr(StreamPipeline, "feed_token", original)
+        c = await engine.complete(req("after the fault"))
+        assert c["choices"][0]["message"]["content"] == "after the fault"
+        assert engine.statistics().running == 0
