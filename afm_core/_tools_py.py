@@ -38,7 +38,6 @@ from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from ._events import ContentDelta, ToolCallDelta
 from ._toolfmt_base import (
     CAPTURE,
-    DROP,
     DROPPED,
     EMIT,
     UNKNOWN,
