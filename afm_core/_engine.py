@@ -199,9 +199,39 @@ class Engine:
         ready = trio.Event()
         state: dict[str, Any] = {}
 
+        # Hand-off: the thread appends each step's outputs; one Trio callback is
+        # scheduled at a time and drains everything posted since, so a busy Trio
+        # side gets one wake-up (and each stream one channel send) per drain.
+        lock = threading.Lock()
+        pending: list[Outputs] = []
+        scheduled = False
+
+        def drain() -> None:
+            nonlocal scheduled
+            with lock:
+                batch = pending[:]
+                pending.clear()
+                scheduled = False
+            if len(batch) == 1:
+                self._dispatch(batch[0])
+                return
+            merged: dict[int, tuple[list[Event], bool]] = {}
+            for outputs in batch:
+                for key, (events, finished) in outputs.items():
+                    acc, done = merged.setdefault(key, ([], False))
+                    acc.extend(events)
+                    merged[key] = (acc, done or finished)
+            self._dispatch({k: (tuple(ev), done) for k, (ev, done) in merged.items()})
+
         def post(outputs: Outputs) -> None:
+            nonlocal scheduled
+            with lock:
+                pending.append(outputs)
+                if scheduled:
+                    return
+                scheduled = True
             try:
-                token.run_sync_soon(self._dispatch, outputs)
+                token.run_sync_soon(drain)
             except trio.RunFinishedError:
                 pass
 
