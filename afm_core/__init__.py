@@ -42,6 +42,13 @@ from ._models import resolve_model as resolve_model
 from ._reasoning import ReasoningSplitter as ReasoningSplitter
 from ._request import ChatRequest as ChatRequest
 from ._sse import SSEEncoder as SSEEncoder
+from ._structured import StructuredOutput as StructuredOutput
+from ._structured import StructuredResult as StructuredResult
+from ._structured import make_structured_output as make_structured_output
+from ._toolfmt import guess_tool_format as guess_tool_format
+from ._toolfmt import make_tool_tracker as make_tool_tracker
+from ._toolfmt_base import ToolCallError as ToolCallError
+from ._tools import ToolCallTracker as ToolCallTracker
 
 _architectures.register()
 
@@ -75,6 +82,10 @@ __all__ = [
     "StreamError",
     "StreamErrorChunk",
     "StreamProtocolError",
+    "StructuredOutput",
+    "StructuredResult",
+    "ToolCallError",
+    "ToolCallTracker",
     "TokenLogprob",
     "ToolCallDelta",
     "TopLogprob",
@@ -83,6 +94,9 @@ __all__ = [
     "__version__",
     "accumulate",
     "convert_gguf",
+    "guess_tool_format",
+    "make_structured_output",
+    "make_tool_tracker",
     "open_engine",
     "resolve_model",
 ]

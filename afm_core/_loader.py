@@ -61,12 +61,6 @@ def describe(path: Path, tokenizer: Any) -> ModelInfo:
 
 def guess_tool_format(template: str, vocab: dict[str, int]) -> str | None:
     """The tool-call wire format the model was trained on, from its template."""
-    if "<function=" in template:
-        return "qwen3_coder"
-    if "<tool_call>" in template or "<tool_call>" in vocab:
-        return "hermes"
-    if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in vocab:
-        return "mistral"
-    if "<|python_tag|>" in template or "ipython" in template:
-        return "llama3_json"
-    return None
+    from ._toolfmt import guess_tool_format as guess
+
+    return guess(template, vocab)

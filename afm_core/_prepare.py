@@ -56,11 +56,11 @@ def _reasoning_stage(prompt_text: str, request: ChatRequest, info: ModelInfo) ->
 
 
 def _tool_stage(request: ChatRequest, info: ModelInfo) -> Any:
-    if not request.tools or request.tool_choice == "none" or info.tool_format != "hermes":
+    if not request.tools or request.tool_choice == "none" or info.tool_format is None:
         return None
-    from ._toolcalls import make_tool_parser
+    from ._toolfmt import make_tool_tracker
 
-    return make_tool_parser(
+    return make_tool_tracker(
         info.tool_format, tools=request.tools, parallel_tool_calls=request.parallel_tool_calls
     )
 
@@ -68,9 +68,9 @@ def _tool_stage(request: ChatRequest, info: ModelInfo) -> Any:
 def _structured_stage(request: ChatRequest) -> Any:
     if request.response_format is None:
         return None
-    from ._structured_output import make_structured_sanitizer
+    from ._structured import make_structured_output
 
-    return make_structured_sanitizer(request.response_format)
+    return make_structured_output(request.response_format)
 
 
 def build_job(request: ChatRequest, *, key: int, info: ModelInfo, tokenizer: Any, tables: Any,
