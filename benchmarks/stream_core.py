@@ -23,7 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from afm_core._detok_tables import DecoderTables  # noqa: E402
-from afm_core._events import ToolCallDelta  # noqa: E402
+from afm_core._events import ContentDelta, ToolCallDelta  # noqa: E402
+from afm_core._toolfmt import make_tool_tracker  # noqa: E402
 from tests import stream_tokenizers  # noqa: E402
 
 TWINS = ("c", "py")
@@ -103,8 +104,27 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
                 enc(split(feed(i)))
             enc(s.flush())
 
-        # --- tool-call tracker: add `tools()` here (and to `chain`) once
-        # --- afm_core._tools_{c,py} exist; the JSON stream is its input.
+        tools_mod = twin("tools", which)
+
+        def full() -> None:
+            # the engine's whole per-token chain: detok -> reasoning -> tool tracker -> encode;
+            # the JSON stream is the arguments of one Hermes tool call
+            d = detok_mod.IncrementalDetokenizer(tables)
+            s = reason_mod.ReasoningSplitter()
+            t = make_tool_tracker("hermes", impl=tools_mod)
+            e = sse_mod.SSEEncoder("chatcmpl-bench", 1700000000, "afm/bench")
+            feed, split, track, enc = d.feed, s.feed, t.feed, e.encode_many
+            if is_json:
+                enc(track('<tool_call>{"name": "write", "arguments": '))
+            for i in ids:
+                out: list[Any] = []
+                for ev in split(feed(i)):
+                    if type(ev) is ContentDelta:
+                        out.extend(track(ev.text))
+                    else:
+                        out.append(ev)
+                enc(out)
+            enc(t.flush())
 
         frames = [twin("sse", "py").SSEEncoder("chatcmpl-bench", 1, "m").encode_many(ev) for ev in tool_events]
 
@@ -116,7 +136,7 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
             feed(b"data: [DONE]\n\n")
             a.result()
 
-        for label, fn in (("detok", detok), ("reasoning", reasoning), ("encode", encode), ("chain", chain), ("accumulate", accumulate)):
+        for label, fn in (("detok", detok), ("reasoning", reasoning), ("encode", encode), ("chain", chain), ("full", full), ("accumulate", accumulate)):
             r[label] = best(fn, repeat) / n
         results[which] = r
     for label in results["c"]:
