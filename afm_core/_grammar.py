@@ -44,6 +44,61 @@ def compile_schema(schema: dict[str, Any], tokenizer: Any) -> tuple[Any, str | N
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), defaults={"whitespace_flexible": False}
         )
+    except Exception as exc:  # noqa: BLE001 - any compile failure downgrades
+        return None, str(exc)
+    return _matcher(grammar, tokenizer)
+
+
+def hermes_tool_grammar(tools: Any, choice: Any, parallel: bool) -> str:
+    """A Lark grammar forcing Hermes ``<tool_call>`` blocks for ``tool_choice``.
+
+    ``choice`` is ``"required"`` (any of ``tools``) or ``{"function": {"name": ...}}``.
+    ``<tool_call>`` / ``</tool_call>`` are the vocabulary's own tokens.
+    """
+    if isinstance(choice, dict):
+        wanted = choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == wanted]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+    # the model's own layout, and no runs of free whitespace to wander into
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                            "key_separator": ": "}
+    start = 'start: call ("\\n" call)*' if parallel and not isinstance(choice, dict) else "start: call"
+    return (
+        f"{start}\n"
+        'call: <tool_call> "\\n" obj "\\n" </tool_call>\n'
+        f"obj: %json {json.dumps(schema)}\n"
+    )
+
+
+def tool_choice_processor(request: Any, tokenizer: Any, prompt_len: int) -> tuple[Any, bool]:
+    """``(processor, downgraded)`` forcing a call for ``required`` / named tool_choice."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(
+        hermes_tool_grammar(request.tools, request.tool_choice, request.parallel_tool_calls))
+    matcher, reason = _matcher(grammar, tokenizer)
+    if matcher is None:
+        log.warning("tool_choice runs best-effort: %s", reason)
+        return None, True
+    return SchemaProcessor(matcher, prompt_len), False
+
+
+def _matcher(grammar: str, tokenizer: Any) -> tuple[Any, str | None]:
+    import llguidance
+
+    try:
         ll = _ll_tokenizer(tokenizer)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
         if is_error:

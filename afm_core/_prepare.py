@@ -98,7 +98,18 @@ def build_job(request: ChatRequest, *, key: int, info: ModelInfo, tokenizer: Any
     else:
         max_tokens = room if config.default_max_tokens is None else min(room, config.default_max_tokens)
     grammar, downgraded = None, False
-    if request.strict_schema is not None:
+    forced = isinstance(request.tool_choice, dict) or request.tool_choice == "required"
+    if forced and request.tools:
+        # the call must happen: enforce it where the model's format allows
+        if config.grammar and info.tool_format == "hermes":
+            from ._grammar import tool_choice_processor
+
+            grammar, downgraded = tool_choice_processor(request, tokenizer, len(prompt))
+        else:
+            downgraded = True
+        if request.strict_schema is not None:
+            downgraded = True  # one grammar per stream: the tool call wins
+    elif request.strict_schema is not None:
         if config.grammar:
             from ._grammar import schema_processor
 

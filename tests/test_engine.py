@@ -334,3 +334,28 @@ async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monke
         c = await engine.complete(req("after the fault"))
         assert c["choices"][0]["message"]["content"] == "after the fault"
         assert engine.statistics().running == 0
+
+
+async def test_tool_choice_required_and_named_are_enforced(random_model_dir: Path) -> None:
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}}
+             for n in ("get_weather", "get_time")]
+    async with open_engine(random_model_dir) as engine:
+        for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}]):
+            r = req("call something", tools=tools, tool_choice=choice, temperature=1.0, seed=seed,
+                    max_tokens=80, parallel_tool_calls=False)
+            async with engine.stream(r) as s:
+                assert not s.grammar_downgraded
+                c = await s.collect()
+            choice0 = c["choices"][0]
+            assert choice0["finish_reason"] == "tool_calls", choice0
+            calls = choice0["message"]["tool_calls"]
+            assert len(calls) == 1
+            assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Oslo")
+            if isinstance(choice, dict):
+                assert calls[0]["function"]["name"] == "get_time"
+    async with open_engine(random_model_dir, grammar=False) as engine:
+        async with engine.stream(req("x", tools=tools, tool_choice="required", max_tokens=2)) as s:
+            assert s.grammar_downgraded
+            await s.collect()
