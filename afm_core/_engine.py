@@ -256,7 +256,7 @@ class Engine:
                 return
             token.run_sync_soon(ready.set)
             try:
-                worker._loop()
+                worker.loop()
             except BaseException as exc:  # noqa: BLE001
                 worker.fatal = exc
                 worker.run_failed(exc)

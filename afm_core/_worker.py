@@ -163,7 +163,8 @@ class Worker:
         if outputs:
             self.post(outputs)
 
-    def _loop(self) -> None:
+    def loop(self) -> None:
+        """The generation loop; returns after a ``stop`` command."""
         while True:
             busy = bool(self.by_key)
             try:
@@ -196,7 +197,7 @@ class Worker:
         job = self.by_key.get(arg)
         if job is None:
             return
-        self._remove(job, save_cache=False)
+        self._remove(job)
         if kind == "cancel":
             outputs[job.key] = (tuple(self._end(job, "cancelled")), True)
 
@@ -253,7 +254,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the batch is unusable: fail it, keep serving
             log.exception("engine step failed")
             for job in list(self.by_key.values()):
-                self._remove(job, save_cache=False)
+                self._remove(job)
                 outputs[job.key] = ((StreamError(f"generation failed: {exc}"),), True)
             self._reset_generator()
             return
@@ -269,7 +270,7 @@ class Worker:
             events = pending.setdefault(job.key, [])
             failed = next((g.error for g in job.guards if g.error is not None), None)
             if failed is not None:
-                self._remove(job, save_cache=False)
+                self._remove(job)
                 events.append(StreamError(f"generation failed: {failed}"))
                 outputs[job.key] = (tuple(events), True)
                 continue
@@ -278,7 +279,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends only that stream
                 log.exception("stream processing failed")
                 if job.uid in self.jobs:
-                    self._remove(job, save_cache=False)
+                    self._remove(job)
                 events.append(StreamError(f"stream processing failed: {exc}"))
                 outputs[job.key] = (tuple(events), True)
         for key, events in pending.items():
@@ -362,7 +363,7 @@ class Worker:
             events.append(Profile(payload, job.profile.extended))
         return events
 
-    def _remove(self, job: Job, *, save_cache: bool) -> None:
+    def _remove(self, job: Job) -> None:
         if job.uid >= 0:
             self.gen.remove([job.uid])
         self._forget(job)
@@ -383,7 +384,7 @@ class Worker:
 
     def _shutdown(self, outputs: Outputs) -> None:
         for job in list(self.by_key.values()):
-            self._remove(job, save_cache=False)
+            self._remove(job)
             outputs[job.key] = ((StreamError("the engine is shutting down", code="engine_closed"),), True)
         self.gen.close()
 
