@@ -59,6 +59,15 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _valid_text(text: str, param: str) -> str:
+    """``text`` unless it holds lone surrogates (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _err("text contains invalid unicode (a lone surrogate)", param) from None
+    return text
+
+
 def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
     """Flatten OpenAI content (string or list of text parts) to a string."""
     if content is None:
@@ -66,7 +75,7 @@ def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
             return None
         raise _err("message content is required", param)
     if isinstance(content, str):
-        return content
+        return _valid_text(content, param)
     if isinstance(content, list):
         out = []
         for i, part in enumerate(content):
@@ -83,7 +92,7 @@ def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
                 raise UnsupportedError(f"content part type '{kind}' is not supported by this model", param=p)
             else:
                 raise _err(f"unknown content part type {kind!r}", p)
-        return "".join(out)
+        return _valid_text("".join(out), param)
     raise _err("message content must be a string or a list of parts", param)
 
 
@@ -102,6 +111,7 @@ def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
         args = fn.get("arguments", "")
         if not isinstance(args, str):
             raise _err("tool call arguments must be a JSON string", f"{p}.function.arguments")
+        _valid_text(args, f"{p}.function.arguments")
         out.append(
             {
                 "id": str(call.get("id") or f"call_{i}"),
