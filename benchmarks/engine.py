@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/engine.py [--model DIR] [--levels 1,8,32] [--max-tokens 64]
 
-For each concurrency level C, 2*C requests with the same seeded prompts go
+For each concurrency level C, 2*C requests (``--requests-per-stream``) with the same seeded prompts go
 through (a) mlx-lm's BatchGenerator driven directly with completion batch C
 (the physical limit: no detokenizer, no Trio, no pipeline) and (b)
 ``afm_core.open_engine(max_batch=C)`` with every request streamed by a Trio
-task.  Each side runs ``--repeats`` times and keeps its best rate.  Greedy decoding, so both generate the same tokens.  Prints aggregate
+task.  Raw and ours alternate ``--repeats`` times; the median of the paired
+ratios is reported (the machine's noise hits both sides alike).  Greedy decoding, so both generate the same tokens.  Prints aggregate
 completion tokens/s and the ratio ours/raw.  The default model is the random
 tiny test model (float32), so engine overhead is visible.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -88,20 +90,24 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="best of N runs per side")
+    ap.add_argument("--repeats", type=int, default=5, help="paired runs (raw, ours) per level")
+    ap.add_argument("--requests-per-stream", type=int, default=2)
     args = ap.parse_args()
     model = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
     print(f"model: {model}\n")
-    print(f"{'C':>4} {'raw tok/s':>10} {'ours tok/s':>11} {'ratio':>6}")
+    print(f"{'C':>4} {'raw tok/s':>10} {'ours tok/s':>11} {'ratio':>6}  (medians)")
     for c in [int(x) for x in args.levels.split(",")]:
-        texts = prompts(2 * c, seed=c)
-        rt, rd = min((raw(model, texts, c, args.max_tokens) for _ in range(args.repeats)),
-                     key=lambda td: td[1] / max(td[0], 1))
-        ot, od = min((trio.run(ours, model, texts, c, args.max_tokens) for _ in range(args.repeats)),
-                     key=lambda td: td[1] / max(td[0], 1))
-        r_rate, o_rate = rt / rd, ot / od
-        print(f"{c:>4} {r_rate:>10.1f} {o_rate:>11.1f} {o_rate / r_rate:>6.3f}   "
-              f"(raw {rt} tok in {rd:.2f}s, ours {ot} tok in {od:.2f}s)")
+        texts = prompts(args.requests_per_stream * c, seed=c)
+        pairs = []
+        for _ in range(args.repeats):  # alternate, so both sides see the same machine
+            rt, rd = raw(model, texts, c, args.max_tokens)
+            ot, od = trio.run(ours, model, texts, c, args.max_tokens)
+            pairs.append((rt / rd, ot / od))
+        ratios = sorted(o / r for r, o in pairs)
+        r_rate = statistics.median(r for r, _ in pairs)
+        o_rate = statistics.median(o for _, o in pairs)
+        print(f"{c:>4} {r_rate:>10.1f} {o_rate:>11.1f} {statistics.median(ratios):>6.3f}   "
+              f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)}; {rt} tokens per run)")
 
 
 if __name__ == "__main__":
