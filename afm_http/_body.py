@@ -3,9 +3,9 @@
 Everything that is not plain, finite, well-formed UTF-8 JSON becomes a
 :class:`RequestError` (HTTP 400), never another exception: invalid UTF-8,
 syntax errors, ``NaN``/``Infinity`` literals, numbers that overflow a float
-(``1e400``) or have more digits than Python parses, lone UTF-16 surrogates
-(``"\\ud800"``, not text at all; tokenizers crash on them) and nesting deeper
-than ``max_depth``.
+(``1e400``, also an integer literal beyond a float's range) or have more
+digits than Python parses, lone UTF-16 surrogates (``"\\ud800"``, not text
+at all; tokenizers crash on them) and nesting deeper than ``max_depth``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,16 @@ class _Invalid(ValueError):
 
 def _reject_constant(value: str) -> Any:
     raise _Invalid(f"{value} is not valid JSON")
+
+
+def _bounded_int(value: str) -> int:
+    number = int(value)  # ValueError past int_max_str_digits
+    if len(value) > 300:
+        try:
+            float(number)
+        except OverflowError:
+            raise _Invalid(f"the number {value[:32]}... is out of range") from None
+    return number
 
 
 def _finite_float(value: str) -> float:
@@ -72,7 +82,8 @@ def parse_json(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     except UnicodeDecodeError as exc:
         raise _invalid(f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                           parse_int=_bounded_int)
     except RecursionError:
         raise _invalid(f"the request body is nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
