@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from afm_core._detok_tables import DecoderTables  # noqa: E402
-from afm_core._events import ContentDelta, ToolCallDelta  # noqa: E402
+from afm_core._events import ToolCallDelta  # noqa: E402
 from afm_core._toolfmt import make_tool_tracker  # noqa: E402
 from tests import stream_tokenizers  # noqa: E402
 
@@ -106,25 +106,25 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
 
         tools_mod = twin("tools", which)
 
+        pipe_mod = twin("pipeline", which)
+
         def full() -> None:
-            # the engine's whole per-token chain: detok -> reasoning -> tool tracker -> encode;
-            # the JSON stream is the arguments of one Hermes tool call
-            d = detok_mod.IncrementalDetokenizer(tables)
-            s = reason_mod.ReasoningSplitter()
+            # the engine's whole per-token chain (StreamPipeline: detok -> reasoning ->
+            # tool tracker) plus encode; the JSON stream is the arguments of one Hermes call
             t = make_tool_tracker("hermes", impl=tools_mod)
+            pipe = pipe_mod.StreamPipeline(detok_mod.IncrementalDetokenizer(tables),
+                                           reasoning=reason_mod.ReasoningSplitter(), tools=t)
             e = sse_mod.SSEEncoder("chatcmpl-bench", 1700000000, "afm/bench")
-            feed, split, track, enc = d.feed, s.feed, t.feed, e.encode_many
+            feed, enc = pipe.feed_token, e.encode_many
             if is_json:
-                enc(track('<tool_call>{"name": "write", "arguments": '))
+                enc(t.feed('<tool_call>{"name": "write", "arguments": '))
             for i in ids:
                 out: list[Any] = []
-                for ev in split(feed(i)):
-                    if type(ev) is ContentDelta:
-                        out.extend(track(ev.text))
-                    else:
-                        out.append(ev)
+                feed(i, out)
                 enc(out)
-            enc(t.flush())
+            out = []
+            pipe.finish(out)
+            enc(out)
 
         frames = [twin("sse", "py").SSEEncoder("chatcmpl-bench", 1, "m").encode_many(ev) for ev in tool_events]
 

@@ -304,19 +304,21 @@ async def test_strict_schema_is_enforced(random_model_dir: Path) -> None:
 
 
 async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monkeypatch) -> None:
+    import afm_core._prepare as prepare
     from afm_core._events import StreamError
     from afm_core._pipeline import StreamPipeline
 
-    original = StreamPipeline.feed_token
+    class Faulty(StreamPipeline):  # the pipeline is a compiled class: subclass, don't patch
+        seen = ""
 
-    def faulty(self, token_id, out):  # type: ignore[no-untyped-def]
-        result = original(self, token_id, out)
-        self.seen = getattr(self, "seen", "") + "".join(getattr(e, "text", "") for e in out)
-        if "POISON" in self.seen:
-            raise RuntimeError("injected pipeline fault")
-        return result
+        def feed_token(self, token_id, out):  # type: ignore[no-untyped-def]
+            result = super().feed_token(token_id, out)
+            self.seen += "".join(getattr(e, "text", "") for e in out)
+            if "POISON" in self.seen:
+                raise RuntimeError("injected pipeline fault")
+            return result
 
-    monkeypatch.setattr(StreamPipeline, "feed_token", faulty)
+    monkeypatch.setattr(prepare, "StreamPipeline", Faulty)
     async with open_engine(echo_model_dir) as engine:
         results: dict[str, list] = {}
 
@@ -330,7 +332,7 @@ async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monke
         assert "injected pipeline fault" in results["bad"][-1].message
         assert content(results["good"]) == "healthy neighbour " * 20
         assert engine.healthy
-        monkeypatch.setattr(StreamPipeline, "feed_token", original)
+        monkeypatch.undo()
         c = await engine.complete(req("after the fault"))
         assert c["choices"][0]["message"]["content"] == "after the fault"
         assert engine.statistics().running == 0

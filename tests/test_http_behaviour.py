@@ -50,11 +50,14 @@ async def wait_idle(engine) -> None:
 
 async def test_generation_fault_is_an_error_chunk_then_done(
         echo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_finish(self: StreamPipeline, out: list) -> None:
-        raise RuntimeError("injected fault")
+    import afm_core._prepare as prepare
+
+    class Broken(StreamPipeline):  # a compiled class: subclass it rather than patch it
+        def finish(self, out: list) -> None:
+            raise RuntimeError("injected fault")
 
     async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
-        monkeypatch.setattr(StreamPipeline, "finish", broken_finish)
+        monkeypatch.setattr(prepare, "StreamPipeline", Broken)
         r, events, raw = await sse(c, body("before the fault", stream=True,
                                            stream_options={"include_usage": True}))
         assert r.status_code == 200 and raw[-1] == "[DONE]"
