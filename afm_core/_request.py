@@ -131,7 +131,7 @@ def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(m, dict):
             raise _err("each message must be an object", p)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise _err(f"unknown role {role!r}", f"{p}.role")
         if role == "developer":
             role = "system"
@@ -212,7 +212,7 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> str | di
         return raw
     if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
         name = raw["function"].get("name")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or not tools or name not in {t["function"]["name"] for t in tools}:
             raise _err(f"tool_choice names an unknown function {name!r}", "tool_choice")
         return {"type": "function", "function": {"name": name}}
     raise _err("'tool_choice' must be auto, none, required or a named function", "tool_choice")

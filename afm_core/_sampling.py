@@ -33,23 +33,25 @@ class SamplerCache:
     def __init__(self) -> None:
         self._shared: dict[tuple[float, float, float, int], Sampler] = {}
 
-    def get(self, req: ChatRequest) -> Sampler:
+    def get(self, req: ChatRequest, vocab_size: int) -> Sampler:
         if req.temperature == 0.0:
             return greedy_sampler
-        key = (req.temperature, req.top_p, req.min_p, req.top_k)
+        # top_k at or beyond the vocabulary keeps every token: no filter at all
+        top_k = req.top_k if req.top_k < vocab_size else 0
+        key = (req.temperature, req.top_p, req.min_p, top_k)
         if req.seed is not None:
-            return _seeded_sampler(req, req.seed)
+            return _seeded_sampler(req, req.seed, top_k)
         sampler = self._shared.get(key)
         if sampler is None:
-            sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+            sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=top_k)
             self._shared[key] = sampler
         return sampler
 
 
-def _seeded_sampler(req: ChatRequest, seed: int) -> Sampler:
+def _seeded_sampler(req: ChatRequest, seed: int, top_k: int) -> Sampler:
     key = mx.random.key(seed % (2**63))
     state = [key]
-    temp, top_p, min_p, top_k = req.temperature, req.top_p, req.min_p, req.top_k
+    temp, top_p, min_p = req.temperature, req.top_p, req.min_p
 
     def sampler(logprobs: mx.array) -> mx.array:
         if 0 < top_p < 1.0:

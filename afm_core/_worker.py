@@ -231,7 +231,7 @@ class Worker:
                 max_tokens=[job.max_tokens],
                 caches=[cache] if cache is not None else None,
                 all_tokens=[prompt[: job.cached_tokens]],
-                samplers=[self.samplers.get(req)],
+                samplers=[self.samplers.get(req, _vocab_size(self.model))],
                 logits_processors=[procs],
             )
         except Exception as exc:  # noqa: BLE001 - fail this request only
@@ -380,6 +380,9 @@ class Worker:
 
     def _reset_generator(self) -> None:
         self.gen.close()
+        # a step that failed inside mlx-lm's compiled sampler can leave the global
+        # PRNG state unevaluable; start it afresh with the generator
+        self.mx.random.seed(time.time_ns() % (2**32))
         self.setup()
 
     def _shutdown(self, outputs: Outputs) -> None:

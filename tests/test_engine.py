@@ -361,3 +361,27 @@ async def test_tool_choice_required_and_named_are_enforced(random_model_dir: Pat
         async with engine.stream(req("x", tools=tools, tool_choice="required", max_tokens=2)) as s:
             assert s.grammar_downgraded
             await s.collect()
+
+
+async def test_engine_recovers_after_a_failed_step(echo_model_dir: Path, monkeypatch) -> None:
+    """A step that fails inside mlx-lm's sampler fails its batch, not the engine."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from afm_core._events import StreamError
+    from afm_core._sampling import SamplerCache
+
+    original = SamplerCache.get
+
+    def broken(self, r, vocab):  # type: ignore[no-untyped-def]
+        if r.seed == 666:
+            return make_sampler(temp=1.0, top_k=5000)  # top_k beyond the vocabulary: raises in MLX
+        return original(self, r, vocab)
+
+    monkeypatch.setattr(SamplerCache, "get", broken)
+    async with open_engine(echo_model_dir) as engine:
+        events = await collect(engine, req("doomed", temperature=1.0, seed=666, max_tokens=4))
+        assert isinstance(events[-1], StreamError)
+        for text in ("first after", "second after"):
+            c = await engine.complete(req(text, temperature=0.5))
+            assert c["choices"][0]["message"]["content"] == text
+        assert engine.healthy
