@@ -131,3 +131,60 @@ async def test_bursts_beyond_capacity_get_only_200_or_503(echo_model_dir: Path) 
                     await trio.sleep(0.01)
         r = await c.post(CHAT, json=body("calm again"))
         assert r.json()["choices"][0]["message"]["content"] == "calm again"
+
+
+async def test_faults_in_some_concurrent_streams_leave_the_others_exact(
+        echo_model_dir: Path, monkeypatch) -> None:
+    """Every third stream's pipeline raises at its end: those streams end with the
+    error-marked chunk then [DONE]; the other concurrent streams are exact."""
+    import afm_core._prepare
+    from afm_core._pipeline_py import StreamPipeline as PyPipeline
+
+    made = {"n": 0}
+
+    class FaultyPipeline(PyPipeline):  # the pure twin, built where the engine builds pipelines
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made["n"] += 1
+            self.faulty = made["n"] % 3 == 0
+
+        def finish(self, out):
+            if self.faulty:
+                raise RuntimeError("injected concurrent fault")
+            return super().finish(out)
+
+    monkeypatch.setattr(afm_core._prepare, "StreamPipeline", FaultyPipeline)
+    async with running_server(echo_model_dir, max_batch=4) as (url, engine), \
+            httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=64), timeout=120) as c:
+        outcome: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            text = f"concurrent {i} " + "word " * (20 + i * 3)
+            parts, last = [], None
+            async with c.stream("POST", CHAT, json=body(text, stream=True)) as r:
+                lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            for ln in lines[:-1]:
+                last = json.loads(ln[6:])
+                if last.get("choices"):
+                    parts.append(last["choices"][0]["delta"].get("content") or "")
+            assert "".join(parts) == text
+            if "error" in last:
+                assert "injected concurrent fault" in last["error"]["message"]
+                assert set(last["error"]) == {"message", "type", "param", "code"}
+                outcome[i] = "error"
+            else:
+                assert last["choices"][0]["finish_reason"] == "stop"
+                outcome[i] = "stop"
+
+        async with trio.open_nursery() as n:
+            for i in range(12):
+                n.start_soon(one, i)
+        assert list(outcome.values()).count("error") == 4 and len(outcome) == 12
+        assert engine.healthy
+        monkeypatch.undo()
+        r = await c.post(CHAT, json=body("still fine"))
+        assert r.json()["choices"][0]["message"]["content"] == "still fine"
+        with trio.fail_after(20):
+            while engine.statistics().requests_active:
+                await trio.sleep(0.01)
