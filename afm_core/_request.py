@@ -30,7 +30,10 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise _err(f"'{key}' must be a number", key)
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer beyond float range
+        v = math.inf
     if not math.isfinite(v) or not lo <= v <= hi:
         raise _err(f"'{key}' must be between {lo:g} and {hi:g}", key)
     return v

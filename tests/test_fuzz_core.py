@@ -176,8 +176,6 @@ def test_error_chunk_after_any_prefix_is_reported(events: list[Any]) -> None:
         acc.result()
 
 
-@pytest.mark.xfail(strict=True, reason="afm_core._request: unhashable role / tool_choice name raise "
-                   "TypeError and a huge integer in a number field OverflowError, not RequestError")
 def test_request_validation_raises_only_request_error() -> None:
     from afm_core._errors import RequestError
 
