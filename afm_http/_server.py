@@ -6,9 +6,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import hypercorn.trio.run as _hypercorn_run
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 
 from afm_core._engine import Engine
 
@@ -19,6 +21,26 @@ __all__ = ["GRACEFUL_SECONDS", "hypercorn_config", "serve_engine"]
 log = logging.getLogger("afm.http")
 
 GRACEFUL_SECONDS = 5.0
+
+
+class _ReleasingTCPServer(TCPServer):
+    """hypercorn's connection handler, releasing connections closed while idle.
+
+    When the peer closes a keep-alive connection between requests (the usual
+    end of a streamed response: the client reads ``[DONE]`` and hangs up just
+    after hypercorn re-armed its keep-alive timer), hypercorn 0.18 stops
+    reading but leaves the timer task running, so the socket sits in
+    CLOSE-WAIT with its handler task for ``keep_alive_timeout`` seconds.
+    Nothing more can be read once the read loop ends, so stop the timer then.
+    """
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+# hypercorn's trio worker looks the handler class up in this module at serve time
+_hypercorn_run.TCPServer = _ReleasingTCPServer  # type: ignore[misc]
 
 
 def hypercorn_config(host: str = "127.0.0.1", port: int = 9999, *, quiet: bool = False) -> Config:

@@ -36,9 +36,6 @@ async def test_short_soak_random_model(random_model_dir: Path) -> None:
     assert rep.leaked_tasks == 0 and rep.leaked_threads == []
 
 
-@pytest.mark.xfail(strict=True, reason="after a completed SSE response, a connection the client "
-                   "closed stays in CLOSE-WAIT with its hypercorn handler task until the 75 s "
-                   "keep-alive timeout (non-streaming responses are released at once)")
 async def test_closed_connection_after_a_stream_is_released(echo_model_dir: Path) -> None:
     async with running_server(echo_model_dir) as (url, _):
         await trio.sleep(0.2)
