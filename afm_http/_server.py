@@ -10,6 +10,7 @@ import hypercorn.trio.run as _hypercorn_run
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.events import Event, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
 from afm_core._engine import Engine
@@ -24,19 +25,27 @@ GRACEFUL_SECONDS = 5.0
 
 
 class _ReleasingTCPServer(TCPServer):
-    """hypercorn's connection handler, releasing connections closed while idle.
+    """hypercorn's connection handler, releasing connections whose peer is gone.
 
-    When the peer closes a keep-alive connection between requests (the usual
-    end of a streamed response: the client reads ``[DONE]`` and hangs up just
-    after hypercorn re-armed its keep-alive timer), hypercorn 0.18 stops
-    reading but leaves the timer task running, so the socket sits in
+    When the client closes a keep-alive connection around the end of a
+    response (typically right after reading ``[DONE]``), hypercorn 0.18 stops
+    reading but (re)arms its keep-alive timer, so the socket sits in
     CLOSE-WAIT with its handler task for ``keep_alive_timeout`` seconds.
-    Nothing more can be read once the read loop ends, so stop the timer then.
+    Once the read loop has ended nothing more can arrive: stop the timer, and
+    never re-arm it afterwards.
     """
+
+    _reader_done = False
 
     async def _read_data(self) -> None:
         await super()._read_data()
+        self._reader_done = True
         await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated) and event.idle and self._reader_done:
+            return  # the peer is gone: no keep-alive wait
+        await super().protocol_send(event)
 
 
 # hypercorn's trio worker looks the handler class up in this module at serve time

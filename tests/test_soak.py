@@ -49,3 +49,21 @@ async def test_closed_connection_after_a_stream_is_released(echo_model_dir: Path
             while task_names()[CONNECTION_TASK] > before:
                 await trio.sleep(0.05)
         assert task_names()[CONNECTION_TASK] == before
+
+
+async def test_connection_released_when_client_leaves_at_done(echo_model_dir: Path) -> None:
+    """A client that stops reading at ``[DONE]`` (before the chunked terminator) and closes."""
+    async with running_server(echo_model_dir) as (url, _):
+        await trio.sleep(0.2)
+        before = task_names()[CONNECTION_TASK]
+        async with httpx.AsyncClient(base_url=url) as c:
+            for _ in range(6):
+                async with c.stream("POST", "/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "short"}], "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            break
+        with trio.move_on_after(5):
+            while task_names()[CONNECTION_TASK] > before:
+                await trio.sleep(0.05)
+        assert task_names()[CONNECTION_TASK] == before
