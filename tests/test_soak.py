@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
 from afm_http.testing import running_server
