@@ -56,8 +56,9 @@ def extensions() -> list:
 
     # AFM_EXT_ONLY=_detok_c,_sse_c limits a development rebuild to those modules.
     only = {n for n in os.environ.get("AFM_EXT_ONLY", "").split(",") if n}
+    shared = sorted(glob(str(Path("ext") / "*.pxi")))  # included by the .pyx files
     modules = [
-        Extension(f"afm_core.{Path(src).stem}", [src], extra_compile_args=["-O2"])
+        Extension(f"afm_core.{Path(src).stem}", [src], extra_compile_args=["-O2"], depends=shared)
         for src in sorted(glob(str(Path("ext") / "*.pyx")))
         if not only or Path(src).stem in only
     ]

@@ -21,6 +21,7 @@ releases it in the current channel.
 from __future__ import annotations
 
 from ._events import ContentDelta, ReasoningDelta
+from ._text import partial_tag as _partial
 
 __all__ = ["ReasoningSplitter"]
 
@@ -31,21 +32,6 @@ _FRESH = 2  # reasoning, nothing emitted yet: a leading start tag is dropped
 _INSIDE = 3  # reasoning, waiting for the end tag
 
 Event = ContentDelta | ReasoningDelta
-
-
-def _partial(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    n = len(text)
-    lo = n - len(tag) + 1
-    if lo < 0:
-        lo = 0
-    first = tag[0]
-    i = text.find(first, lo)
-    while i >= 0:
-        if tag.startswith(text[i:]):
-            return n - i
-        i = text.find(first, i + 1)
-    return 0
 
 
 class ReasoningSplitter:

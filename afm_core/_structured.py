@@ -25,6 +25,7 @@ from typing import Any
 
 from ._events import ContentDelta
 from ._structured_schema import validate
+from ._text import partial_tag as _partial
 
 __all__ = ["StructuredOutput", "StructuredResult", "make_structured_output"]
 
@@ -44,13 +45,6 @@ class StructuredResult:
     fenced: bool = False
     trailing: bool = False  # non-whitespace text after the closing fence was dropped
     value: Any = None
-
-
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _trailing_ws(text: str) -> int:

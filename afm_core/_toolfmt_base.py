@@ -21,6 +21,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ._text import partial_tag as partial
+
 __all__ = [
     "CAPTURE",
     "DROP",
@@ -59,14 +61,6 @@ class ToolCallError:
 def new_call_id() -> str:
     """``call_`` and 24 random hex digits."""
     return f"call_{secrets.token_hex(12)}"
-
-
-def partial(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def tool_names(tools: Any) -> frozenset[str] | None:

@@ -46,24 +46,7 @@ cdef inline object reasoning(str text):
     return afm_event1(ReasoningDelta, REASONING_TEXT, text)
 
 
-cdef Py_ssize_t _partial(str text, str tag):
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    cdef Py_ssize_t n = len(text)
-    cdef Py_ssize_t m = len(tag)
-    cdef Py_ssize_t lo = n - m + 1
-    cdef Py_ssize_t i, j
-    cdef Py_UCS4 first = tag[0]
-    if lo < 0:
-        lo = 0
-    for i in range(lo, n):
-        if text[i] != first:
-            continue
-        j = 1
-        while i + j < n and text[i + j] == tag[j]:
-            j += 1
-        if i + j == n:
-            return n - i
-    return 0
+include "_text.pxi"
 
 
 cdef class ReasoningSplitter:
