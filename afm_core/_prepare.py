@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._errors import ContextLengthError, RequestError
+from ._grammar import ThinkMode
 from ._loader import ModelInfo
 from ._pipeline import StreamPipeline
 from ._profile import ProfileRecorder
@@ -40,19 +41,27 @@ def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
     return text
 
 
-def _reasoning_stage(prompt_text: str, request: ChatRequest, info: ModelInfo) -> Any:
+def think_mode(prompt_text: str, request: ChatRequest, info: ModelInfo) -> ThinkMode:
+    """``off``, ``optional`` or ``started``: where the output stands towards a
+    reasoning block (see :data:`afm_core._grammar.ThinkMode`)."""
+    if info.think_tags is None or request.enable_thinking is False:
+        return "off"
+    start, end = info.think_tags
+    tail = prompt_text.rstrip()
+    if tail.endswith(end):
+        return "off"  # the template closed the block (thinking off): all output is content
+    return "started" if tail.endswith(start) else "optional"
+
+
+def _reasoning_stage(mode: ThinkMode, info: ModelInfo) -> Any:
     if info.think_tags is None:
         return None
     from ._reasoning import ReasoningSplitter
 
     start, end = info.think_tags
-    tail = prompt_text.rstrip()
-    if tail.endswith(end):
-        # the template closed the block (thinking off): all output is content
+    if mode == "off":
         return ReasoningSplitter(start, end, enabled=False)
-    if request.enable_thinking is False:
-        return ReasoningSplitter(start, end, enabled=False)
-    return ReasoningSplitter(start, end, started=tail.endswith(start))
+    return ReasoningSplitter(start, end, started=mode == "started")
 
 
 def _tool_stage(request: ChatRequest, info: ModelInfo) -> Any:
@@ -71,6 +80,52 @@ def _structured_stage(request: ChatRequest) -> Any:
     from ._structured import make_structured_output
 
     return make_structured_output(request.response_format)
+
+
+def _constraints(request: ChatRequest, tokenizer: Any, info: ModelInfo, config: Any,
+                 prompt_len: int, mode: ThinkMode) -> tuple[Any, bool]:
+    """``(grammar processor or None, downgraded)`` for what ``request`` makes strict.
+
+    Enforced: a strict ``json_schema``; ``tool_choice`` ``required`` / named;
+    ``auto`` with strict tools (free text or calls).  Tool grammars need the
+    Hermes format with ``<tool_call>`` tokens; elsewhere they run best-effort.
+    """
+    tools = request.tools or ()
+    choice = request.tool_choice
+    forced = bool(tools) and (isinstance(choice, dict) or choice == "required")
+    strict_tools = choice == "auto" and any(t["function"].get("strict") for t in tools)
+    schema = request.strict_schema
+    if not (forced or strict_tools or schema is not None):
+        return None, False
+    if not config.grammar:
+        return None, True
+    from . import _grammar as g
+
+    calls: tuple[dict[str, Any], ...] = ()
+    downgraded = False
+    if forced or strict_tools:
+        hermes = info.tool_format == "hermes" and all(
+            g.is_tag_token(tokenizer, t) for t in ("<tool_call>", "</tool_call>"))
+        if hermes:
+            calls = g.call_schemas(tools, choice, strict_only=not forced)
+        else:
+            downgraded = True
+            if schema is None:
+                return None, True
+    if forced:
+        content: Any = None
+        downgraded = downgraded or schema is not None  # the call must come: no JSON answer
+    else:
+        content = schema if schema is not None else "text"
+    think_tags = info.think_tags or ("<think>", "</think>")
+    shape = g.OutputShape(
+        content=content, calls=calls, parallel=request.parallel_tool_calls,
+        think=mode,
+        think_tags=think_tags,
+        think_tokens=all(g.is_tag_token(tokenizer, t) for t in think_tags),
+    )
+    grammar, failed = g.grammar_processor(g.output_grammar(shape), tokenizer, prompt_len)
+    return grammar, downgraded or failed
 
 
 def build_job(request: ChatRequest, *, key: int, info: ModelInfo, tokenizer: Any, tables: Any,
@@ -97,29 +152,12 @@ def build_job(request: ChatRequest, *, key: int, info: ModelInfo, tokenizer: Any
         max_tokens = request.max_tokens
     else:
         max_tokens = room if config.default_max_tokens is None else min(room, config.default_max_tokens)
-    grammar, downgraded = None, False
-    forced = isinstance(request.tool_choice, dict) or request.tool_choice == "required"
-    if forced and request.tools:
-        # the call must happen: enforce it where the model's format allows
-        if config.grammar and info.tool_format == "hermes":
-            from ._grammar import tool_choice_processor
-
-            grammar, downgraded = tool_choice_processor(request, tokenizer, len(prompt))
-        else:
-            downgraded = True
-        if request.strict_schema is not None:
-            downgraded = True  # one grammar per stream: the tool call wins
-    elif request.strict_schema is not None:
-        if config.grammar:
-            from ._grammar import schema_processor
-
-            grammar, downgraded = schema_processor(request.strict_schema, tokenizer, len(prompt))
-        else:
-            downgraded = True
+    mode = think_mode(text, request, info)
+    grammar, downgraded = _constraints(request, tokenizer, info, config, len(prompt), mode)
     pipeline = StreamPipeline(
         IncrementalDetokenizer(tables),
         stops=request.stop,
-        reasoning=_reasoning_stage(text, request, info),
+        reasoning=_reasoning_stage(mode, info),
         tools=_tool_stage(request, info),
         structured=_structured_stage(request),
     )

@@ -289,7 +289,8 @@ async def test_strict_schema_is_enforced(random_model_dir: Path) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
     async with open_engine(random_model_dir) as engine:
         for seed in range(3):
-            r = req("json please", response_format=rf, temperature=1.0, seed=seed, max_tokens=40)
+            r = req("json please", response_format=rf, temperature=1.0, seed=seed, max_tokens=40,
+                    enable_thinking=False)
             async with engine.stream(r) as s:
                 assert not s.grammar_downgraded
                 c = await s.collect()
@@ -346,7 +347,7 @@ async def test_tool_choice_required_and_named_are_enforced(random_model_dir: Pat
     async with open_engine(random_model_dir) as engine:
         for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}]):
             r = req("call something", tools=tools, tool_choice=choice, temperature=1.0, seed=seed,
-                    max_tokens=80, parallel_tool_calls=False)
+                    max_tokens=80, parallel_tool_calls=False, enable_thinking=False)
             async with engine.stream(r) as s:
                 assert not s.grammar_downgraded
                 c = await s.collect()
