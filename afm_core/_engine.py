@@ -17,7 +17,6 @@ the next step; ``engine.cancel(id)`` ends it cleanly with ``cancelled``.
 
 from __future__ import annotations
 
-import math
 import secrets
 import threading
 import time
@@ -41,6 +40,7 @@ from ._errors import (
 )
 from ._events import Event, Finish, Profile, StreamError, Usage
 from ._loader import ModelInfo
+from ._mailbox import Mailbox
 from ._request import ChatRequest
 from ._worker import Job, Outputs, Worker
 
@@ -95,7 +95,7 @@ class EngineStatistics:
 class _Handle:
     request_id: str
     key: int
-    send: trio.MemorySendChannel[tuple[Event, ...]]
+    mailbox: Mailbox
     t_submit: float
     submitted: bool = False
     finished: bool = False
@@ -107,18 +107,19 @@ class ChatStream:
     """One request's events; iterate it, or ``batches()`` for one tuple per step."""
 
     def __init__(self, *, id: str, created: int, model: str, request_id: str,
-                 receive: trio.MemoryReceiveChannel[tuple[Event, ...]],
-                 prompt_tokens: int, grammar_downgraded: bool):
+                 mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool):
         self.id = id
         self.created = created
         self.model = model
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.grammar_downgraded = grammar_downgraded
-        self._receive = receive
+        self._mailbox = mailbox
 
     async def batches(self) -> AsyncIterator[tuple[Event, ...]]:
-        async for batch in self._receive:
+        """Everything that arrived since the last batch (one engine step, or
+        several when the reader fell behind), until the stream ends."""
+        while (batch := await self._mailbox.take()) is not None:
             yield batch
             if any(isinstance(e, TERMINAL) for e in batch):
                 # Usage/Profile ride in the same batch as Finish
@@ -201,7 +202,7 @@ class Engine:
 
         # Hand-off: the thread appends each step's outputs; one Trio callback is
         # scheduled at a time and drains everything posted since, so a busy Trio
-        # side gets one wake-up (and each stream one channel send) per drain.
+        # side gets one wake-up per drain (each stream's mailbox coalesces).
         lock = threading.Lock()
         pending: list[Outputs] = []
         scheduled = False
@@ -212,16 +213,8 @@ class Engine:
                 batch = pending[:]
                 pending.clear()
                 scheduled = False
-            if len(batch) == 1:
-                self._dispatch(batch[0])
-                return
-            merged: dict[int, tuple[list[Event], bool]] = {}
             for outputs in batch:
-                for key, (events, finished) in outputs.items():
-                    acc, done = merged.setdefault(key, ([], False))
-                    acc.extend(events)
-                    merged[key] = (acc, done or finished)
-            self._dispatch({k: (tuple(ev), done) for k, (ev, done) in merged.items()})
+                self._dispatch(outputs)
 
         def post(outputs: Outputs) -> None:
             nonlocal scheduled
@@ -292,7 +285,7 @@ class Engine:
                 self._worker.stop()
                 await trio.to_thread.run_sync(thread.join)
             for handle in list(self._inflight.values()):
-                handle.send.close()
+                handle.mailbox.close()
 
     # -- requests ----------------------------------------------------------------
 
@@ -311,9 +304,9 @@ class Engine:
             raise DuplicateRequestError(f"request id {rid!r} is already in flight")
         if len(self._inflight) >= self.config.max_batch + self.config.max_waiting:
             raise EngineBusyError(retry_after=1.0)
-        send, receive = trio.open_memory_channel[tuple[Event, ...]](math.inf)
+        mailbox = Mailbox()
         self._serial += 1
-        handle = _Handle(rid, self._serial, send, time.perf_counter())
+        handle = _Handle(rid, self._serial, mailbox, time.perf_counter())
         self._inflight[rid] = handle
         self._by_key[handle.key] = handle
         try:
@@ -323,13 +316,13 @@ class Engine:
             self._requests_total += 1
             if handle.cancelled:
                 handle.finished = True
-                send.send_nowait((Finish("cancelled"), Usage(len(job.prompt), 0, 0)))
+                mailbox.put((Finish("cancelled"), Usage(len(job.prompt), 0, 0)))
             else:
                 handle.submitted = True
                 self._worker.submit(job)
             yield ChatStream(
                 id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
-                model=request.model or self.model_id, request_id=rid, receive=receive,
+                model=request.model or self.model_id, request_id=rid, mailbox=mailbox,
                 prompt_tokens=len(job.prompt), grammar_downgraded=downgraded,
             )
         finally:
@@ -337,8 +330,7 @@ class Engine:
                 self._worker.drop(handle.key)
             self._inflight.pop(rid, None)
             self._by_key.pop(handle.key, None)
-            send.close()
-            receive.close()
+            mailbox.close()
 
     async def complete(self, request: ChatRequest, *, request_id: str | None = None,
                        profile: str | None = None) -> dict[str, Any]:
@@ -392,10 +384,7 @@ class Engine:
                 self._ttft_count += 1
             if finished:
                 handle.finished = True
-            try:
-                handle.send.send_nowait(events)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
+            handle.mailbox.put(events)
 
     def _prepare(self, request: ChatRequest, handle: _Handle, profile: str | None) -> tuple[Job, bool]:
         """Template, tokenize and build the job (runs in a worker thread)."""
