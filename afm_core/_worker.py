@@ -102,6 +102,7 @@ class Worker:
         self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.jobs: dict[int, Job] = {}  # uid -> job
+        self.logprob_uids: set[int] = set()  # rows whose log-probabilities are read
         self.by_key: dict[int, Job] = {}
         self.thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
@@ -130,6 +131,7 @@ class Worker:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import LRUPromptCache
 
+        from ._batch import install
         from ._sampling import SamplerCache
 
         self.mx = mx
@@ -145,6 +147,7 @@ class Worker:
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )
+        install(self.gen, self.logprob_uids)
         self.prefix_cache = LRUPromptCache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
         self.samplers = SamplerCache()
         self.eos = set(eos)
@@ -240,6 +243,8 @@ class Worker:
             return
         job.uid = uid
         self.jobs[uid] = job
+        if req.logprobs:
+            self.logprob_uids.add(uid)
         self.by_key[job.key] = job
         self.stats.prompt_tokens += len(prompt)
         self.stats.computed_prompt_tokens += len(rest)
@@ -370,6 +375,7 @@ class Worker:
 
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.uid, None)
+        self.logprob_uids.discard(job.uid)
         self.by_key.pop(job.key, None)
 
     def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
@@ -383,6 +389,7 @@ class Worker:
         # a step that failed inside mlx-lm's compiled sampler can leave the global
         # PRNG state unevaluable; start it afresh with the generator
         self.mx.random.seed(time.time_ns() % (2**32))
+        self.logprob_uids.clear()
         self.setup()
 
     def _shutdown(self, outputs: Outputs) -> None:

@@ -1,0 +1,104 @@
+"""The engine's decode batch: mlx-lm's ``GenerationBatch`` with two per-step costs removed.
+
+mlx-lm's batch (``mlx_lm.generate.GenerationBatch``) is what every step of
+``BatchGenerator`` runs.  Two of its habits cost time on every step for
+nothing the engine uses:
+
+* it splits the step's log-probabilities into one array per row
+  (``list(logprobs)``: a slice op per stream, evaluated every step) although
+  only requests asking for ``logprobs`` read them.  Here only those rows are
+  split; the others carry ``None``.
+* when the rows do not all share one sampler object it samples every row in
+  its own call.  Here rows sharing a sampler (the engine shares one per set of
+  sampling parameters, see :class:`afm_core._sampling.SamplerCache`) are
+  sampled together, one call per distinct sampler.
+
+Everything else (the forward pass, logits processors, the pipelined
+``async_eval`` of the next step, token bookkeeping) is the same sequence of
+operations as mlx-lm's, so outputs are identical.  :func:`install` swaps the
+batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
+and extends it with each prefilled group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+__all__ = ["EngineGenerationBatch", "install"]
+
+
+class EngineGenerationBatch(GenerationBatch):
+    """See the module docstring.  ``logprob_uids`` are the rows whose
+    log-probabilities the engine reads."""
+
+    logprob_uids: set[int]
+
+    def _step(self) -> tuple[list[int], list[Any]]:
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)
+        logits = logits[:, -1, :]
+
+        token_context = []
+        if any(self.logits_processors):
+            rows = []
+            for e in range(len(self.uids)):
+                row = logits[e : e + 1]
+                processors = self.logits_processors[e] or ()
+                if processors:
+                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                    token_context.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+
+        wanted = self.logprob_uids
+        self._next_tokens = sampled
+        self._next_logprobs = [logprobs[i] if uid in wanted else None
+                               for i, uid in enumerate(self.uids)] if wanted else [None] * len(self.uids)
+        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+
+        mx.eval(inputs, self._current_logprobs)
+        tokens: list[int] = inputs.tolist()
+        for seq, t in zip(self.tokens, tokens, strict=True):
+            seq.append(t)
+        return tokens, self._current_logprobs
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """One sampler call per distinct sampler object, results in row order."""
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * len(self.uids))]
+        first = samplers[0] if samplers else self.fallback_sampler
+        if all(s is first for s in samplers):
+            return first(logprobs)
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for row, s in enumerate(samplers):
+            groups.setdefault(id(s), (s, []))[1].append(row)
+        order: list[int] = []
+        parts = []
+        for s, rows in groups.values():
+            parts.append(s(logprobs[mx.array(rows)]) if len(rows) > 1 else s(logprobs[rows[0] : rows[0] + 1]))
+            order.extend(rows)
+        inverse = [0] * len(order)
+        for pos, row in enumerate(order):
+            inverse[row] = pos
+        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
+
+
+def install(gen: BatchGenerator, logprob_uids: set[int]) -> None:
+    """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
+    ``logprob_uids`` (a live set the caller keeps up to date)."""
+    if len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+        raise RuntimeError("install the engine batch before the first insert")
+    batch = EngineGenerationBatch.empty(gen.model, gen.sampler)
+    batch.logprob_uids = logprob_uids
+    gen._generation_batch = batch
