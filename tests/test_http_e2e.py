@@ -321,3 +321,21 @@ async def test_grammar_downgraded_header(echo_model_dir: Path) -> None:
         assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": 1}
         r = await c.post(CHAT, json=body('{"a": 1}'))
         assert "x-grammar-constraints" not in r.headers
+
+
+async def test_strict_tool_under_auto_through_the_sdk(echo_model_dir: Path) -> None:
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": params}}]
+    said = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    async with running_server(echo_model_dir) as (url, _):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": said}], tools=tools, max_tokens=60)
+        assert "x-grammar-constraints" not in raw.headers
+        choice = raw.parse().choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me look.\n"
+        (call,) = choice.message.tool_calls
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")  # "Rome" broke the schema
+        await client.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import trio
 from ._results import RequestResult, RunResult
 from ._workload import Workload
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
@@ -59,19 +61,11 @@ class SSEParser:
         self._pending_cr = False
         buf = self._buf + chunk
         start = 0
-        n = len(buf)
-        i = 0
-        while i < n:
-            c = buf[i]
-            if c == 0x0A or c == 0x0D:
-                if c == 0x0D and i + 1 == n:
-                    self._pending_cr = True
-                line = buf[start:i]
-                i += 2 if (c == 0x0D and i + 1 < n and buf[i + 1] == 0x0A) else 1
-                start = i
-                self._line(line, events)
-            else:
-                i += 1
+        for m in _LINE_END.finditer(buf):
+            if m.end() == len(buf) and m.group() == b"\r":
+                self._pending_cr = True
+            self._line(buf[start : m.start()], events)
+            start = m.end()
         self._buf = buf[start:]
         return events
 
