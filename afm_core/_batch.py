@@ -15,7 +15,8 @@ nothing the engine uses:
 
 Everything else (the forward pass, logits processors, the pipelined
 ``async_eval`` of the next step, token bookkeeping) is the same sequence of
-operations as mlx-lm's, so outputs are identical.  :func:`install` swaps the
+operations as mlx-lm's, so outputs are identical.  Every ``SETTLE_EVERY``
+steps the cache state is evaluated too (see there).  :func:`install` swaps the
 batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
 and extends it with each prefilled group).
 """
@@ -28,6 +29,11 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 __all__ = ["EngineGenerationBatch", "install"]
+
+SETTLE_EVERY = 64
+"""Steps between evaluations of the whole cache state.  A model that never
+reads part of its cache (a layer without RoPE never reads the offset) would
+otherwise grow a lazy graph, holding memory, for as long as the batch runs."""
 
 
 class EngineGenerationBatch(GenerationBatch):
@@ -65,13 +71,18 @@ class EngineGenerationBatch(GenerationBatch):
         self._next_tokens = sampled
         self._next_logprobs = [logprobs[i] if uid in wanted else None
                                for i, uid in enumerate(self.uids)] if wanted else [None] * len(self.uids)
-        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+        self._steps = getattr(self, "_steps", 0) + 1
+        settle = self._cache_state() if self._steps % SETTLE_EVERY == 0 else []
+        mx.async_eval(self._next_tokens, self._next_logprobs, token_context, settle)
 
         mx.eval(inputs, self._current_logprobs)
         tokens: list[int] = inputs.tolist()
         for seq, t in zip(self.tokens, tokens, strict=True):
             seq.append(t)
         return tokens, self._current_logprobs
+
+    def _cache_state(self) -> list[mx.array]:
+        return [x for c in self.prompt_cache for x in c.state if isinstance(x, mx.array)]
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One sampler call per distinct sampler object, results in row order."""

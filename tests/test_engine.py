@@ -386,3 +386,26 @@ async def test_engine_recovers_after_a_failed_step(echo_model_dir: Path, monkeyp
             c = await engine.complete(req(text, temperature=0.5))
             assert c["choices"][0]["message"]["content"] == text
         assert engine.healthy
+
+
+async def test_prefix_cache_memory_is_what_its_budget_counts(random_model_dir: Path) -> None:
+    """Saved prefixes hold their own KV, not the whole batch buffer they came from."""
+    import mlx.core as mx
+
+    async with open_engine(random_model_dir, max_batch=8) as engine:
+        worker = engine._worker
+        assert worker is not None
+        await engine.complete(req("warm up", max_tokens=2, temperature=0))
+        base = mx.get_active_memory() - worker.prefix_cache.nbytes
+
+        async def one(i: int) -> None:
+            await engine.complete(req(f"prompt {i} " + "word " * (i % 7 * 5), max_tokens=8, temperature=0))
+
+        async with trio.open_nursery() as n:
+            for i in range(32):
+                n.start_soon(one, i)
+        held = mx.get_active_memory() - base
+        counted = worker.prefix_cache.nbytes
+        assert len(worker.prefix_cache) >= 32 and counted > 0
+        # before the fix each entry kept its batch's buffer alive: ~9x what was counted
+        assert held < 1.5 * counted + (1 << 20), (held, counted)

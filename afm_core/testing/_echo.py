@@ -63,7 +63,10 @@ class EchoLayer(nn.Module):
         keys = (ids.astype(mx.float32) + 1.0)[:, None, :, None]
         if cache is None:
             return keys
-        stored, _ = cache.update_and_fetch(keys, keys)
+        stored, values = cache.update_and_fetch(keys, keys)
+        # a transformer reads its values and the cache offset (attention, RoPE)
+        # every step; without that, their lazy updates would pile up
+        mx.eval(values, cache.offset)
         return stored
 
 
