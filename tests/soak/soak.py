@@ -13,7 +13,8 @@ model.  Each request is, at random:
 Every completed echo stream's text must equal the prompt exactly; a cancelled
 one must be a prefix of it.  At the end: engine running/waiting/active are
 0, the engine and app in-flight registries are empty, and the Trio task and
-thread counts are back to their baseline.  RSS is reported at start and end.
+thread counts are back to their baseline.  RSS is reported at start, after each
+tenth of the requests, and at the end.
 
     .venv/bin/python tests/soak/soak.py --requests 3000 --concurrency 48
     .venv/bin/python tests/soak/soak.py --model random --requests 1000
@@ -91,6 +92,7 @@ class Report:
     duration_s: float = 0.0
     rss_start_kib: int = 0
     rss_end_kib: int = 0
+    rss_samples_kib: list[int] = field(default_factory=list)  # after each tenth of the requests
     leaked_tasks: int = 0
     lingering_connections: int = 0
     leaked_task_names: dict[str, int] = field(default_factory=dict)
@@ -260,12 +262,19 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
             queue = iter(plan)
 
+            done = 0
+            tenth = max(1, requests // 10)
+
             async def worker() -> None:
+                nonlocal done
                 for item in queue:
                     try:
                         await one(client, item)
                     except Exception as exc:  # noqa: BLE001 - a soak failure, reported
                         fail(f"soak-{seed}-{item[0]}: {type(exc).__name__}: {exc}")
+                    done += 1
+                    if done % tenth == 0:
+                        rep.rss_samples_kib.append(rss_kib())
 
             async with trio.open_nursery() as n:
                 for _ in range(concurrency):
@@ -325,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsoak {rep.model}: {rep.requests} requests at {rep.concurrency} concurrency in {rep.duration_s} s; "
           f"cancels sent {rep.cancels_sent} (accepted {rep.cancels_accepted}, "
           f"{rep.cancelled_before_first_token} before the first token), abandons {rep.abandons}, "
-          f"exact {rep.exact}; RSS {rep.rss_start_kib} -> {rep.rss_end_kib} KiB; leaked tasks "
+          f"exact {rep.exact}; RSS {rep.rss_start_kib} -> {rep.rss_end_kib} KiB "
+          f"(by tenths: {', '.join(str(k // 1024) for k in rep.rss_samples_kib)} MiB); leaked tasks "
           f"{rep.leaked_tasks} (+{rep.lingering_connections} lingering keep-alive connections), threads {len(rep.leaked_threads)}, in-flight engine {rep.engine_inflight} "
           f"app {rep.app_inflight}; failures {len(rep.failures)}; {'OK' if rep.ok else 'FAILED'}")
     if args.json:
