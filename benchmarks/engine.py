@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine.py [--model DIR] [--levels 1,8,32] [--max-tokens 64]
 
-For each concurrency level C, 2*C requests (``--requests-per-stream``) with the same seeded prompts go
+For each concurrency level C, 4*C requests (``--requests-per-stream``) with the same seeded prompts go
 through (a) mlx-lm's BatchGenerator driven directly with completion batch C
 (the physical limit: no detokenizer, no Trio, no pipeline) and (b)
 ``afm_core.open_engine(max_batch=C)`` with every request streamed by a Trio
@@ -89,9 +89,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--levels", default="1,8,32")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5, help="paired runs (raw, ours) per level")
-    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7, help="paired runs (raw, ours) per level")
+    ap.add_argument("--requests-per-stream", type=int, default=4)
     args = ap.parse_args()
     model = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
     print(f"model: {model}\n")
