@@ -29,7 +29,7 @@ def load(path: Path) -> tuple[Any, Any, ModelInfo]:
 
     try:
         model, tokenizer = mlx_lm.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - surface as a typed error
+    except Exception as exc:  # any failure surfaces as a typed error
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
     return model, tokenizer, describe(path, tokenizer)
 

@@ -105,7 +105,7 @@ def _resolve_hub(repo: str, say: Progress) -> Path:
     say(f"downloading {repo!r} from the Hugging Face Hub")
     try:
         return Path(mlx_utils._download(repo))
-    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises many kinds
+    except Exception as exc:  # huggingface_hub raises many kinds
         raise ModelLoadError(
             f"cannot get model {repo!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
             "The hub may be unreachable from here: pass a local mlx-lm directory or a .gguf "

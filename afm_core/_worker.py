@@ -237,7 +237,7 @@ class Worker:
                 samplers=[self.samplers.get(req, _vocab_size(self.model))],
                 logits_processors=[procs],
             )
-        except Exception as exc:  # noqa: BLE001 - fail this request only
+        except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
             outputs[job.key] = ((StreamError(f"could not start generation: {exc}"),), True)
             return
@@ -256,7 +256,7 @@ class Worker:
         gen = self.gen
         try:
             _prompt_responses, responses = gen.next()
-        except Exception as exc:  # noqa: BLE001 - the batch is unusable: fail it, keep serving
+        except Exception as exc:  # the batch is unusable: fail it, keep serving
             log.exception("engine step failed")
             for job in list(self.by_key.values()):
                 self._remove(job)
@@ -281,7 +281,7 @@ class Worker:
                 continue
             try:
                 self._advance(job, r, events, outputs, now, batch_size, active)
-            except Exception as exc:  # noqa: BLE001 - one stream's fault ends only that stream
+            except Exception as exc:  # one stream's fault ends only that stream
                 log.exception("stream processing failed")
                 if job.uid in self.jobs:
                     self._remove(job)

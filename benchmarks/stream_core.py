@@ -22,10 +22,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from afm_core._detok_tables import DecoderTables  # noqa: E402
-from afm_core._events import ToolCallDelta  # noqa: E402
-from afm_core._toolfmt import make_tool_tracker  # noqa: E402
-from tests import stream_tokenizers  # noqa: E402
+from afm_core._detok_tables import DecoderTables
+from afm_core._events import ToolCallDelta
+from afm_core._toolfmt import make_tool_tracker
+from tests import stream_tokenizers
 
 TWINS = ("c", "py")
 

@@ -22,8 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from afm_core._toolfmt import make_tool_tracker  # noqa: E402
-from tests import stream_tokenizers  # noqa: E402
+from afm_core._toolfmt import make_tool_tracker
+from tests import stream_tokenizers
 
 TWINS = ("c", "py")
 TOOLS = [{"type": "function", "function": {"name": "write_notes", "parameters": {
