@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import math
 from collections.abc import Iterable
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any

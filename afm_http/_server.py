@@ -9,8 +9,8 @@ from typing import Any
 import hypercorn.trio.run as _hypercorn_run
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
 from hypercorn.events import Event, Updated
+from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
 from afm_core._engine import Engine

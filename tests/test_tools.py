@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from afm_core._events import ContentDelta, ToolCallDelta
 from afm_core._toolfmt import FORMATS, guess_tool_format, make_tool_format, make_tool_tracker
 from afm_core._toolfmt_base import ToolCallError, new_call_id, partial
-from tests.tools_helpers import C, PY, TWINS, merged, run, tool, tracker
+from tests.tools_helpers import PY, TWINS, C, merged, run, tool, tracker
 
 TOOLS = [tool("get_weather"), tool("read_file")]
 HERMES = (

@@ -28,7 +28,7 @@ import trio
 
 from . import _loadgen, _servers
 from ._raw import RawRunner
-from ._report import OURS, PEER, RAW, build_report
+from ._report import OURS, RAW, build_report
 from ._results import RunResult
 from ._workload import Workload, make_workload, poisson_schedule
 
@@ -152,8 +152,9 @@ _Driver = _Served | _Raw
 
 
 def _meta(cfg: BenchConfig) -> dict[str, Any]:
-    import mlx.core as mx
     from importlib.metadata import PackageNotFoundError, version
+
+    import mlx.core as mx
 
     def ver(pkg: str) -> str | None:
         try:
