@@ -75,27 +75,29 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
         )
         r: dict[str, float] = {}
 
-        def detok() -> None:
+        # the closures run within this iteration; defaults bind this twin's modules
+        def detok(detok_mod: Any = detok_mod) -> None:
             d = detok_mod.IncrementalDetokenizer(tables)
             feed = d.feed
             for i in ids:
                 feed(i)
             d.flush()
 
-        def reasoning() -> None:
+        def reasoning(reason_mod: Any = reason_mod) -> None:
             s = reason_mod.ReasoningSplitter()
             feed = s.feed
             for t in texts:
                 feed(t)
             s.flush()
 
-        def encode() -> None:
+        def encode(sse_mod: Any = sse_mod) -> None:
             e = sse_mod.SSEEncoder("chatcmpl-bench", 1700000000, "afm/bench")
             enc = e.encode_many
             for evs in tool_events if is_json else events_per_token:
                 enc(evs)
 
-        def chain() -> None:
+        def chain(detok_mod: Any = detok_mod, reason_mod: Any = reason_mod,
+                  sse_mod: Any = sse_mod) -> None:
             d = detok_mod.IncrementalDetokenizer(tables)
             s = reason_mod.ReasoningSplitter()
             e = sse_mod.SSEEncoder("chatcmpl-bench", 1700000000, "afm/bench")
@@ -108,7 +110,8 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
 
         pipe_mod = twin("pipeline", which)
 
-        def full() -> None:
+        def full(detok_mod: Any = detok_mod, reason_mod: Any = reason_mod, sse_mod: Any = sse_mod,
+                 tools_mod: Any = tools_mod, pipe_mod: Any = pipe_mod) -> None:
             # the engine's whole per-token chain (StreamPipeline: detok -> reasoning ->
             # tool tracker) plus encode; the JSON stream is the arguments of one Hermes call
             t = make_tool_tracker("hermes", impl=tools_mod)
@@ -128,7 +131,7 @@ def bench_stream(name: str, ids: list[int], tables: DecoderTables, repeat: int) 
 
         frames = [twin("sse", "py").SSEEncoder("chatcmpl-bench", 1, "m").encode_many(ev) for ev in tool_events]
 
-        def accumulate() -> None:
+        def accumulate(acc_mod: Any = acc_mod, frames: list[bytes] = frames) -> None:
             a = acc_mod.ChunkAccumulator()
             feed = a.feed_bytes
             for f in frames:

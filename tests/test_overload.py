@@ -112,7 +112,7 @@ async def test_bursts_beyond_capacity_get_only_200_or_503(echo_model_dir: Path) 
         for burst in range(3):
             statuses: dict[int, int] = {}
 
-            async def one(i: int) -> None:
+            async def one(i: int, burst: int = burst, statuses: dict[int, int] = statuses) -> None:
                 text = f"burst {burst} request {i} " + "word " * (i % 7) * 20
                 r = await c.post(CHAT, json=body(text))
                 statuses[i] = r.status_code
