@@ -21,7 +21,7 @@ __all__ = ["ID_RULE", "MAX_ID_LENGTH", "InFlight", "client_request_id", "mint_re
 
 MAX_ID_LENGTH = 128
 ID_RULE = f"1-{MAX_ID_LENGTH} characters of [A-Za-z0-9._:-], starting with a letter or digit"
-_VALID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,%d}" % (MAX_ID_LENGTH - 1))
+_VALID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:\-]{{0,{MAX_ID_LENGTH - 1}}}")
 
 
 def valid_request_id(value: str) -> bool:

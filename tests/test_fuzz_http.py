@@ -387,12 +387,12 @@ def test_deep_nesting(client: httpx.Client, depth: int, where: str, brackets: st
     if where == "top":
         raw = nested
     elif where == "content":
-        raw = '{"messages": [{"role": "user", "content": %s}]}' % nested
+        raw = f'{{"messages": [{{"role": "user", "content": {nested}}}]}}'
     elif where == "tools":
         raw = ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
-               '"function": {"name": "f", "parameters": %s}}]}' % nested)
+               f'"function": {{"name": "f", "parameters": {nested}}}}}]}}')
     else:
-        raw = '{"messages": [{"role": "user", "content": "x"}], "x_deep": %s}' % nested
+        raw = f'{{"messages": [{{"role": "user", "content": "x"}}], "x_deep": {nested}}}'
     r = post_raw(client, "deep_nesting", raw.encode())
     assert_envelope(r, 413 if nested_len > MAX_BODY - 200 else 400)
 
@@ -408,11 +408,11 @@ def test_deep_nesting(client: httpx.Client, depth: int, where: str, brackets: st
 def test_huge_numbers(client: httpx.Client, number: str, where: str) -> None:
     msg = '[{"role": "user", "content": "x"}]'
     if where == "content":
-        raw = '{"messages": [{"role": "user", "content": [%s]}]}' % number
+        raw = f'{{"messages": [{{"role": "user", "content": [{number}]}}]}}'
     elif where == "logit_bias":
-        raw = '{"messages": %s, "logit_bias": {"5": %s}}' % (msg, number)
+        raw = f'{{"messages": {msg}, "logit_bias": {{"5": {number}}}}}'
     else:
-        raw = '{"messages": %s, "%s": %s}' % (msg, where, number)
+        raw = f'{{"messages": {msg}, "{where}": {number}}}'
     r = post_raw(client, "huge_numbers", raw.encode())
     if "e" in number and float(number) == 0:  # an underflow is just zero
         if where in ("temperature", "top_p", "presence_penalty", "x_extra", "logit_bias"):
@@ -437,13 +437,13 @@ def test_invalid_unicode(client: httpx.Client, data: st.DataObject) -> None:
     elif kind == "overlong":
         raw = b'{"messages": [{"role": "user", "content": "\xc0\x80' + text.encode() + b'"}]}'
     else:
-        sur = "\\u%04x" % data.draw(st.integers(0xD800, 0xDFFF))
+        sur = f"\\u{data.draw(st.integers(0xD800, 0xDFFF)):04x}"
         if data.draw(st.booleans()):  # a valid pair around it would be fine: make it lone
             sur = sur + "x"
         if kind == "surrogate":
-            raw = ('{"messages": [{"role": "user", "content": "%s%s%s"}]}' % (text[:cut], sur, text[cut:])).encode()
+            raw = f'{{"messages": [{{"role": "user", "content": "{text[:cut]}{sur}{text[cut:]}"}}]}}'.encode()
         else:
-            raw = ('{"messages": [{"role": "user", "content": "x"}], "%s%s": 1}' % (text, sur)).encode()
+            raw = f'{{"messages": [{{"role": "user", "content": "x"}}], "{text}{sur}": 1}}'.encode()
     err = assert_envelope(post_raw(client, "invalid_unicode", raw))
     assert err["code"] == "invalid_json"
 
