@@ -37,8 +37,8 @@ def bench(model_dir: Path, tokens: int, repeats: int) -> dict[str, float]:
 
     def run(p: list[int], n: int) -> tuple[float, float]:
         last = None
-        for last in stream_generate(model, tok, p, max_tokens=n, sampler=sampler):
-            pass
+        for response in stream_generate(model, tok, p, max_tokens=n, sampler=sampler):
+            last = response
         assert last is not None
         return last.prompt_tps, last.generation_tps
 

@@ -510,10 +510,10 @@ def test_resolve_model_gguf_dir_and_errors(tmp_path: Path, llama_weights: Any, b
     assert not [p for p in (home / "models").iterdir() if p.name.startswith(".")]
 
     assert resolve_model(out, home=home) == out  # an mlx-lm directory as is
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         resolve_model(tmp_path, home=home)
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ModelLoadError, match="neither a .gguf file"):
+    with pytest.raises(ModelLoadError, match=r"neither a \.gguf file"):
         resolve_model(tmp_path / "notes.txt", home=home)
     with pytest.raises(ModelLoadError, match="not found"):
         resolve_model("./missing/model.gguf", home=home)

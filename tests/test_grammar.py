@@ -207,7 +207,7 @@ async def test_what_cannot_be_enforced_is_flagged(random_model_dir: Path) -> Non
                                                    response_format=rf, max_tokens=2))
         assert downgraded
         # strict tools and a strict answer under auto: one grammar holds both
-        c, downgraded = await complete(engine, req("x", tools=tools, response_format=rf, max_tokens=40,
+        _, downgraded = await complete(engine, req("x", tools=tools, response_format=rf, max_tokens=40,
                                                    temperature=0, enable_thinking=False))
         assert not downgraded
     async with open_engine(random_model_dir, grammar=False) as engine:

@@ -123,7 +123,7 @@ async def test_random_model_stream_and_sdk(random_model_dir: Path) -> None:
     async with running_server(random_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
         payload = body("hello there", stream=True, max_tokens=6, temperature=0,
                        stream_options={"include_usage": True})
-        r, events, raw = await sse(c, payload)
+        _, events, raw = await sse(c, payload)
         assert raw[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
         finish, usage = events[-2]["choices"][0]["finish_reason"], events[-1]["usage"]
         assert finish in ("length", "stop") and 1 <= usage["completion_tokens"] <= 6

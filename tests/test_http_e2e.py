@@ -228,7 +228,7 @@ async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
 
 
 async def test_busy_is_503_with_retry_after(echo_model_dir: Path) -> None:
-    async with running_server(echo_model_dir, max_batch=1, max_waiting=0) as (url, engine), \
+    async with running_server(echo_model_dir, max_batch=1, max_waiting=0) as (url, _), \
             httpx.AsyncClient(base_url=url) as c:
         async with c.stream("POST", CHAT, json=body("word " * 2000, stream=True),
                             headers={"X-Request-ID": "hog"}) as r1:
@@ -282,7 +282,7 @@ async def test_tool_calls_stream_and_sdk_helper(echo_model_dir: Path) -> None:
     said = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
             '<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>')
     async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
-        _, events, raw = await sse(c, body(said, stream=True, tools=tools))
+        _, events, _ = await sse(c, body(said, stream=True, tools=tools))
         frags = [tc for e in events if e.get("choices") for tc in e["choices"][0]["delta"].get("tool_calls") or []]
         firsts = [f for f in frags if "id" in f]
         assert [f["index"] for f in firsts] == [0, 1]

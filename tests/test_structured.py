@@ -21,7 +21,7 @@ def run(text: str, cuts: list[int] | None = None, fmt: dict[str, Any] = OBJ) -> 
     s = StructuredOutput(fmt)
     events: list[ContentDelta] = []
     last = 0
-    for c in sorted(set(cuts or [])) + [len(text)]:
+    for c in [*sorted(set(cuts or [])), len(text)]:
         events += s.feed(text[last:c])
         last = c
     events += s.flush()

@@ -94,7 +94,7 @@ def test_random_model_options(tmp_path: Path) -> None:
     d = make_random_model(tmp_path / "big", vocab_size=2048, hidden_size=128, num_layers=3, num_heads=8)
     cfg = json.loads((d / "config.json").read_text())
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (2048, 128, 3)
-    model, tok = mlx_lm.load(str(d))
+    model, _ = mlx_lm.load(str(d))
     assert len(model.layers) == 3
 
 

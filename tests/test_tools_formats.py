@@ -120,7 +120,7 @@ def test_llama3_plain_output_is_content(mod: ModuleType) -> None:
 
 def test_llama3_calls_and_trailing_text(mod: ModuleType) -> None:
     text = ' {"name": "f", "parameters": {"a": 1}} ;\n{"type": "function", "name": "g", "parameters": {}} and more'
-    events, t = run(mod, "llama3_json", text)
+    events, _ = run(mod, "llama3_json", text)
     content, calls = merged(events)
     assert content == "and more" and [c["name"] for c in calls] == ["f", "g"]
     assert [c["arguments"] for c in calls] == ['{"a": 1}', "{}"]
@@ -144,7 +144,7 @@ def test_llama3_arguments_stream(mod: ModuleType) -> None:
 
 def test_mistral_header_form_with_call_id(mod: ModuleType) -> None:
     text = '[TOOL_CALLS]get-x[CALL_ID]a1B2c3D4e[ARGS]{"q": 1}[TOOL_CALLS]f[ARGS] "{\\"z\\": 2}"'
-    events, t = run(mod, "mistral", text)
+    events, _ = run(mod, "mistral", text)
     content, calls = merged(events)
     assert content == "" and [c["name"] for c in calls] == ["get-x", "f"]
     assert [c["arguments"] for c in calls] == ['{"q": 1}', '{"z": 2}']

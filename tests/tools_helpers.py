@@ -35,7 +35,7 @@ def run(mod: ModuleType, fmt: str, text: str, cuts: list[int] | None = None,
     t = tracker(mod, fmt, tools, **kw)
     events: list[Any] = []
     last = 0
-    for c in sorted(set(cuts or [])) + [len(text)]:
+    for c in [*sorted(set(cuts or [])), len(text)]:
         events += t.feed(text[last:c])
         last = c
     events += t.flush()
