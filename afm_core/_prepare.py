@@ -28,7 +28,7 @@ def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=list(request.tools) if use_tools else None,
+            tools=list(request.tools) if use_tools and request.tools else None,
             add_generation_prompt=True,
             tokenize=False,
             **kwargs,

@@ -72,7 +72,9 @@ def make_tool_tracker(
 ) -> Any:
     """A ``ToolCallTracker`` for one stream; ``impl`` picks a twin module (tests)."""
     if impl is None:
-        from . import _tools as impl
+        from . import _tools
+
+        impl = _tools
     return impl.ToolCallTracker(
         make_tool_format(fmt, tools),
         names=tool_names(tools),

@@ -318,15 +318,15 @@ class JSONCallFormat(ToolFormat):
                 return 0
             try:
                 members = object_members(text)
-                name = json.loads(members["name"])
+                call_name = json.loads(members["name"])
                 raw_args = members.get("arguments", members.get("parameters", "{}"))
                 args = arguments_text(raw_args)
             except (ValueError, KeyError):
-                name = None
-            if not isinstance(name, str):
+                call_name = None
+            if not isinstance(call_name, str):
                 self.verbatim(t, text)
                 return 0
-            idx = t.open_call(name)
+            idx = t.open_call(call_name)
             if idx == UNKNOWN:
                 self.verbatim(t, text)
                 return 0

@@ -19,23 +19,24 @@ runs the handler and sends the response.  When the reader sees
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from quart_trio import QuartTrio
 
 from ._ids import InFlight
 
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGISendCallable, ASGISendEvent
+
 __all__ = ["AFMQuart", "close_when_done"]
 
 FINAL_SEND_SECONDS = 10.0
 
 _pending: ContextVar[list[AsyncExitStack] | None] = ContextVar("afm_http_pending", default=None)
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def close_when_done(stack: AsyncExitStack) -> None:
@@ -45,8 +46,8 @@ def close_when_done(stack: AsyncExitStack) -> None:
         pending.append(stack)
 
 
-def _shield_final(send: Send) -> Send:
-    async def wrapped(message: dict[str, Any]) -> None:
+def _shield_final(send: ASGISendCallable) -> ASGISendCallable:
+    async def wrapped(message: ASGISendEvent) -> None:
         if message.get("type") == "http.response.body" and not message.get("more_body", False):
             with trio.CancelScope(shield=True), trio.move_on_after(FINAL_SEND_SECONDS):
                 await send(message)
