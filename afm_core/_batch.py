@@ -23,10 +23,12 @@ and extends it with each prefilled group).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.sample_utils import Sampler
 
 __all__ = ["EngineGenerationBatch", "install"]
 
@@ -43,19 +45,21 @@ class EngineGenerationBatch(GenerationBatch):
     logprob_uids: set[int]
 
     def _step(self) -> tuple[list[int], list[Any]]:
-        self._current_tokens = self._next_tokens
+        inputs: mx.array = self._next_tokens
+        # mlx-lm's __init__ sets it to None, so its inferred type is None alone
+        self._current_tokens = inputs  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)
         logits = logits[:, -1, :]
 
         token_context = []
-        if any(self.logits_processors):
+        all_processors = self.logits_processors
+        if all_processors and any(all_processors):
             rows = []
             for e in range(len(self.uids)):
                 row = logits[e : e + 1]
-                processors = self.logits_processors[e] or ()
+                processors = all_processors[e] or ()
                 if processors:
                     context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
                     token_context.append(context)
@@ -76,7 +80,7 @@ class EngineGenerationBatch(GenerationBatch):
         mx.async_eval(self._next_tokens, self._next_logprobs, token_context, settle)
 
         mx.eval(inputs, self._current_logprobs)
-        tokens: list[int] = inputs.tolist()
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # mlx annotates any ndim; 1-D is a list
         for seq, t in zip(self.tokens, tokens, strict=True):
             seq.append(t)
         return tokens, self._current_logprobs
@@ -86,8 +90,8 @@ class EngineGenerationBatch(GenerationBatch):
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One sampler call per distinct sampler object, results in row order."""
-        samplers = [self.fallback_sampler if s is None else s
-                    for s in (self.samplers or [None] * len(self.uids))]
+        row_samplers: Sequence[Sampler | None] = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in row_samplers]
         first = samplers[0] if samplers else self.fallback_sampler
         if all(s is first for s in samplers):
             return first(logprobs)

@@ -28,7 +28,8 @@ def load(path: Path) -> tuple[Any, Any, ModelInfo]:
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
+        model, tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
     except Exception as exc:  # any failure surfaces as a typed error
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
     return model, tokenizer, describe(path, tokenizer)

@@ -108,4 +108,5 @@ def top_logprobs(logprobs: mx.array, k: int) -> tuple[list[int], list[float]]:
     vals = logprobs[idx]
     order = mx.argsort(-vals)
     ids: Any = idx[order].tolist()
-    return ids, vals[order].tolist()
+    values: Any = vals[order].tolist()
+    return ids, values

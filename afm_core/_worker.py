@@ -235,7 +235,8 @@ class Worker:
                 caches=[cache] if cache is not None else None,
                 all_tokens=[prompt[: job.cached_tokens]],
                 samplers=[self.samplers.get(req, _vocab_size(self.model))],
-                logits_processors=[procs],
+                # mlx-lm only reads the inner lists, but annotates them as invariant List
+                logits_processors=[procs],  # type: ignore[list-item]
             )
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
@@ -258,9 +259,9 @@ class Worker:
             _prompt_responses, responses = gen.next()
         except Exception as exc:  # the batch is unusable: fail it, keep serving
             log.exception("engine step failed")
-            for job in list(self.by_key.values()):
-                self._remove(job)
-                outputs[job.key] = ((StreamError(f"generation failed: {exc}"),), True)
+            for stale in list(self.by_key.values()):
+                self._remove(stale)
+                outputs[stale.key] = ((StreamError(f"generation failed: {exc}"),), True)
             self._reset_generator()
             return
         self.stats.steps += 1
@@ -406,7 +407,9 @@ class Worker:
 def _param_bytes(model: Any) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    # mlx annotates list-or-dict; without ``destination`` it is always the list of pairs
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(v.nbytes for _, v in flat)
 
 
 def _vocab_size(model: Any) -> int:

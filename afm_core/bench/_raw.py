@@ -73,7 +73,8 @@ class RawRunner:
 
         import afm_core  # noqa: F401  (registers the test architectures)
 
-        self._model, self._tokenizer = load(self.model_dir)
+        # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
+        self._model, self._tokenizer = load(self.model_dir)  # type: ignore[misc]
         self._stream = mx.new_stream(mx.default_device())
 
     def _ids(self, workload: Workload, i: int) -> list[int]:
