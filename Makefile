@@ -33,7 +33,7 @@ bench: install
 	$(PY) benchmarks/serve_bench.py --interleave
 
 lint: install
-	$(PY) -m pip install -q ruff mypy
+	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1"
 	$(VENV)/bin/ruff check afm_core afm_http tests benchmarks
 	$(VENV)/bin/mypy afm_core afm_http
 
