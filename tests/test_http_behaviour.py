@@ -16,30 +16,7 @@ import trio
 
 from afm_core._pipeline import StreamPipeline
 from afm_http.testing import running_server
-
-CHAT = "/v1/chat/completions"
-
-
-def body(text: str, **kw: object) -> dict:
-    return {"messages": [{"role": "user", "content": text}], **kw}
-
-
-async def sse(client: httpx.AsyncClient, payload: dict, headers: dict | None = None):
-    """(response, parsed data events, raw data strings); checks the SSE framing."""
-    events, raw = [], []
-    async with client.stream("POST", CHAT, json=payload, headers=headers or {}) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                raw.append(line[6:])
-                if line[6:] != "[DONE]":
-                    events.append(json.loads(line[6:]))
-            else:
-                assert line == "", line
-    return r, events, raw
-
-
-def joined(events: list, key: str) -> str:
-    return "".join(e["choices"][0]["delta"].get(key) or "" for e in events if e.get("choices"))
+from tests.http_helpers import CHAT, body, sse, text_of
 
 
 async def wait_idle(engine) -> None:
@@ -61,7 +38,7 @@ async def test_generation_fault_is_an_error_chunk_then_done(
         r, events, raw = await sse(c, body("before the fault", stream=True,
                                            stream_options={"include_usage": True}))
         assert r.status_code == 200 and raw[-1] == "[DONE]"
-        assert joined(events, "content") == "before the fault"
+        assert text_of(events, "content") == "before the fault"
         err = events[-1]
         assert err["choices"] == [] and "injected fault" in err["error"]["message"]
         assert set(err["error"]) == {"message", "type", "param", "code"}
@@ -135,7 +112,7 @@ async def test_random_model_stream_and_sdk(random_model_dir: Path) -> None:
             model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=6,
             temperature=0)
         assert resp.choices[0].finish_reason == finish
-        assert resp.choices[0].message.content == joined(events, "content")
+        assert resp.choices[0].message.content == text_of(events, "content")
         assert resp.usage is not None and resp.usage.completion_tokens == usage["completion_tokens"]
         await client.close()
         await wait_idle(engine)
@@ -147,7 +124,7 @@ async def test_logprobs_and_reasoning_first(echo_model_dir: Path) -> None:
                                          top_logprobs=2))
         first = events[0]["choices"][0]["delta"]
         assert first["role"] == "assistant" and "content" not in first
-        assert joined(events, "reasoning_content") == "plan" and joined(events, "content") == "ok"
+        assert text_of(events, "reasoning_content") == "plan" and text_of(events, "content") == "ok"
         entries = [t for e in events if e.get("choices") and e["choices"][0]["logprobs"]
                    for t in e["choices"][0]["logprobs"]["content"]]
         assert entries and all(-9999.0 <= t["logprob"] <= 0 and len(t["top_logprobs"]) <= 2
@@ -180,7 +157,7 @@ async def test_three_tool_calls_fragments_by_index(echo_model_dir: Path) -> None
         assert len({state[i]["id"] for i in range(3)}) == 3
         assert state[0]["n"] > 2  # the arguments really arrive in fragments
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls" and raw[-1] == "[DONE]"
-        assert joined(events, "content") == "Plan."
+        assert text_of(events, "content") == "Plan."
 
 
 async def test_models_routes_with_sdk(echo_model_dir: Path) -> None:
@@ -228,9 +205,9 @@ async def test_32_mixed_clients_leave_nothing_behind(echo_model_dir: Path) -> No
                         return  # leaving the block drops the connection mid-stream
             reason = events[-1]["choices"][0]["finish_reason"]
             if i % 4 == 1:
-                assert reason == "cancelled" and text.startswith(joined(events, "content"))
+                assert reason == "cancelled" and text.startswith(text_of(events, "content"))
             else:
-                assert reason == "stop" and joined(events, "content") == text
+                assert reason == "stop" and text_of(events, "content") == text
 
         async with trio.open_nursery() as n:
             for i in range(32):

@@ -12,33 +12,7 @@ import trio
 
 from afm_http._app import ServerConfig
 from afm_http.testing import running_server
-
-CHAT = "/v1/chat/completions"
-
-
-def body(text: str, **kw) -> dict:
-    return {"messages": [{"role": "user", "content": text}], **kw}
-
-
-async def sse(client: httpx.AsyncClient, payload: dict, headers: dict | None = None):
-    """(response, parsed data events, raw data strings)."""
-    events, raw = [], []
-    async with client.stream("POST", CHAT, json=payload, headers=headers or {}) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                data = line[6:]
-                raw.append(data)
-                if data != "[DONE]":
-                    events.append(json.loads(data))
-            else:
-                assert line == "", line
-    return r, events, raw
-
-
-def text_of(events: list, key: str = "content") -> str:
-    return "".join(
-        c["choices"][0]["delta"].get(key) or "" for c in events if c.get("choices")
-    )
+from tests.http_helpers import CHAT, body, sse, text_of
 
 
 async def test_stream_lifecycle_and_headers(echo_model_dir: Path) -> None:

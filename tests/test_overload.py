@@ -12,13 +12,9 @@ import httpx
 import trio
 
 from afm_http.testing import running_server
+from tests.http_helpers import CHAT, body
 
-CHAT = "/v1/chat/completions"
 MAX_BATCH, MAX_WAITING = 2, 2
-
-
-def body(text: str, **kw: object) -> dict:
-    return {"messages": [{"role": "user", "content": text}], **kw}
 
 
 async def test_full_queue_is_503_while_streams_continue(echo_model_dir: Path) -> None:
