@@ -252,6 +252,24 @@ class JSONCallFormat(ToolFormat):
         self.raw = raw
         self.obj = O_HEAD
 
+    def arguments_closed(self, t: Tracker, *, captured: bool) -> bool:
+        """The arguments value ended: emit it if it was ``captured`` (a scalar
+        or unwrapped string).  False when the scan failed: the call is
+        reported malformed (if accepted) and no longer accepted."""
+        if captured:
+            raw = t.take_captured()
+            if self.accepted and not t.scan_failed:
+                try:
+                    t.args(arguments_text(raw))
+                except ValueError:
+                    t.args(raw)
+        if t.scan_failed:
+            if self.accepted:
+                t.fail("malformed tool call arguments")
+            self.accepted = False
+            return False
+        return True
+
     def verbatim(self, t: Tracker, text: str = "") -> None:
         """Give up on the call: what was consumed goes out as content."""
         t.content(self.raw + text)
@@ -284,17 +302,7 @@ class JSONCallFormat(ToolFormat):
                 t.json_mode(CAPTURE)
             return pos
         if ph == O_ARGS or ph == O_ARGVAL:
-            if ph == O_ARGVAL:
-                raw = t.take_captured()
-                if self.accepted and not t.scan_failed:
-                    try:
-                        t.args(arguments_text(raw))
-                    except ValueError:
-                        t.args(raw)
-            if t.scan_failed:
-                if self.accepted:
-                    t.fail("malformed tool call arguments")
-                self.accepted = False
+            if not self.arguments_closed(t, captured=ph == O_ARGVAL):
                 self.obj = O_IDLE
                 self.abandon(t)
                 return 0

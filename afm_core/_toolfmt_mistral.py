@@ -24,7 +24,6 @@ from ._toolfmt_base import (
     UNKNOWN,
     JSONCallFormat,
     Tracker,
-    arguments_text,
     skip_ws,
 )
 
@@ -172,17 +171,7 @@ class MistralFormat(JSONCallFormat):
         return i
 
     def _args_done(self, t: Tracker, ph: int) -> int:
-        if ph == _HARGVAL:
-            raw = t.take_captured()
-            if self.accepted and not t.scan_failed:
-                try:
-                    t.args(arguments_text(raw))
-                except ValueError:
-                    t.args(raw)
-        if t.scan_failed:
-            if self.accepted:
-                t.fail("malformed tool call arguments")
-            self.accepted = False
+        if not self.arguments_closed(t, captured=ph == _HARGVAL):
             self.content_mode(t)
             return 0
         if self.accepted:
