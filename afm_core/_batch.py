@@ -43,6 +43,7 @@ class EngineGenerationBatch(GenerationBatch):
     log-probabilities the engine reads."""
 
     logprob_uids: set[int]
+    _steps = 0  # decode steps run; instances count from the class default
 
     def _step(self) -> tuple[list[int], list[Any]]:
         inputs: mx.array = self._next_tokens
@@ -75,7 +76,7 @@ class EngineGenerationBatch(GenerationBatch):
         self._next_tokens = sampled
         self._next_logprobs = [logprobs[i] if uid in wanted else None
                                for i, uid in enumerate(self.uids)] if wanted else [None] * len(self.uids)
-        self._steps = getattr(self, "_steps", 0) + 1
+        self._steps += 1
         settle = self._cache_state() if self._steps % SETTLE_EVERY == 0 else []
         mx.async_eval(self._next_tokens, self._next_logprobs, token_context, settle)
 

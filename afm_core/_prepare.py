@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _grammar as g
 from ._errors import ContextLengthError, RequestError
 from ._grammar import ThinkMode
 from ._loader import ModelInfo
@@ -99,8 +100,6 @@ def _constraints(request: ChatRequest, tokenizer: Any, info: ModelInfo, config: 
         return None, False
     if not config.grammar:
         return None, True
-    from . import _grammar as g
-
     calls: tuple[dict[str, Any], ...] = ()
     downgraded = False
     if forced or strict_tools:
