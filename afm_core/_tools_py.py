@@ -7,7 +7,10 @@ decisions at call boundaries (see ``afm_core._toolfmt_base``).  Modes:
 
 * ``PASS``   everything is content;
 * ``TEXT``   content until the format's start tag (a possible partial tag
-  is held back), then ``COLD`` with the tag at the head of the text;
+  is held back), then ``COLD`` with the tag at the head of the text.  Once
+  a call was accepted, trailing whitespace of content is held: it is dropped
+  when the next start tag or the end of the stream follows (the layout
+  between and after calls is not content) and emitted before other text;
 * ``COLD``   the format's ``step(tracker, text)`` decides: it returns how many
   characters it consumed (0: progressed without consuming) or -1 for "need
   more text".  When a scan ends exactly at the end of the text, ``step`` is
@@ -74,6 +77,7 @@ class ToolCallTracker:
         self._new_id = id_factory
         self._out: list[Event] = []
         self._buf = ""
+        self._gap = ""
         self._mode = COLD
         self._tag = ""
         self._sink = EMIT
@@ -140,6 +144,7 @@ class ToolCallTracker:
         self._mode = COLD
         if mode == PASS or mode == TEXT:
             self.content(text)
+            self._gap = ""  # the layout after the last call
             return out
         pending = text
         if mode == STRING:
@@ -157,8 +162,17 @@ class ToolCallTracker:
 
     # -- the format's interface ----------------------------------------------
     def content(self, text: str) -> None:
-        if text:
-            self._out.append(ContentDelta(text))
+        """Content outside calls; once a call was accepted, trailing whitespace
+        is held until other text follows (see ``TEXT`` mode)."""
+        if not text:
+            return
+        if self.calls:
+            body = text.rstrip()
+            if not body:
+                self._gap += text
+                return
+            text, self._gap = self._gap + body, text[len(body) :]
+        self._out.append(ContentDelta(text))
 
     def open_call(self, name: str) -> int:
         """Start a call: its index, or UNKNOWN / DROPPED (then nothing is emitted)."""
@@ -250,7 +264,8 @@ class ToolCallTracker:
         i = text.find(tag)
         if i >= 0:
             if i:
-                self._out.append(ContentDelta(text[:i]))
+                self.content(text[:i])
+            self._gap = ""
             self._mode = COLD
             return text[i:]
         keep = partial(text, tag)
@@ -258,7 +273,7 @@ class ToolCallTracker:
             self._buf = text[len(text) - keep :]
             text = text[: len(text) - keep]
         if text:
-            self._out.append(ContentDelta(text))
+            self.content(text)
         return ""
 
     def _scan_until(self, text: str) -> str:

@@ -111,6 +111,7 @@ cdef class ToolCallTracker:
     cdef object _new_id
     cdef list _out
     cdef str _buf
+    cdef str _gap
     cdef int _mode
     cdef str _tag
     cdef int _sink
@@ -135,6 +136,7 @@ cdef class ToolCallTracker:
         self._new_id = id_factory
         self._out = []
         self._buf = ""
+        self._gap = ""
         self._mode = COLD
         self._tag = ""
         self._sink = EMIT
@@ -204,6 +206,7 @@ cdef class ToolCallTracker:
         self._mode = COLD
         if mode == PASS or mode == TEXT:
             self.content(text)
+            self._gap = ""  # the layout after the last call
             return out
         pending = text
         if mode == STRING:
@@ -221,8 +224,18 @@ cdef class ToolCallTracker:
 
     # -- the format's interface ----------------------------------------------
     cpdef content(self, str text):
-        if text:
-            self._out.append(content_delta(text))
+        """Content outside calls; once a call was accepted, trailing whitespace
+        is held until other text follows (see ``TEXT`` mode)."""
+        cdef str body
+        if not text:
+            return
+        if self.calls:
+            body = text.rstrip()
+            if not body:
+                self._gap += text
+                return
+            text, self._gap = self._gap + body, text[len(body):]
+        self._out.append(content_delta(text))
 
     cpdef int open_call(self, str name) except? -100:
         """Start a call: its index, or UNKNOWN / DROPPED (then nothing is emitted)."""
@@ -316,7 +329,8 @@ cdef class ToolCallTracker:
         cdef Py_ssize_t keep, n
         if i >= 0:
             if i:
-                self._out.append(content_delta(text[:i]))
+                self.content(text[:i])
+            self._gap = ""
             self._mode = COLD
             return text[i:]
         keep = _partial(text, tag)
@@ -325,7 +339,7 @@ cdef class ToolCallTracker:
             self._buf = text[n - keep:]
             text = text[:n - keep]
         if text:
-            self._out.append(content_delta(text))
+            self.content(text)
         return ""
 
     cdef str _scan_until(self, str text):

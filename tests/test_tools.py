@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from types import ModuleType
 
 import pytest
@@ -31,7 +32,7 @@ def mod(request: pytest.FixtureRequest) -> ModuleType:
 def test_hermes_one_shot(mod: ModuleType) -> None:
     events, t = run(mod, "hermes", HERMES, tools=TOOLS)
     content, calls = merged(events)
-    assert content == "Let me check.\n\ntail"
+    assert content == "Let me check.\ntail"  # the newline between the calls is layout
     assert [c["name"] for c in calls] == ["get_weather", "read_file"]
     assert [c["id"] for c in calls] == ["call_0", "call_1"]
     assert [c["arguments"] for c in calls] == HERMES_ARGS  # raw text, exactly as written
@@ -89,8 +90,18 @@ def test_not_a_call_object_is_content(mod: ModuleType) -> None:
 def test_parallel_false_keeps_only_the_first_call(mod: ModuleType) -> None:
     events, t = run(mod, "hermes", HERMES, tools=TOOLS, parallel_tool_calls=False)
     content, calls = merged(events)
-    assert content == "Let me check.\n\ntail"
+    assert content == "Let me check.\ntail"  # the newline between the calls is layout
     assert [c["name"] for c in calls] == ["get_weather"] and t.dropped == 1
+
+
+def test_layout_between_and_after_calls_is_not_content(mod: ModuleType) -> None:
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    for pieces in (["a\n", call, "\n", call, "\n \n"], ["a\n", call, "\n", " ", call],
+                   ["a\n" + call + "\n\n" + call + "\n"]):
+        events, t = run(mod, "hermes", "".join(pieces), list(accumulate(map(len, pieces))))
+        assert merged(events)[0] == "a\n" and t.calls == 2, pieces
+    events, _ = run(mod, "hermes", call + "\n  then text \n" + call + " \n")
+    assert merged(events)[0] == "\n  then text"  # whitespace before other text stays
 
 
 def test_unclosed_call_at_flush(mod: ModuleType) -> None:
@@ -142,10 +153,10 @@ CASES = {
     '<parameter=path>\n/tmp/a\n</parameter>\n</function>\n</tool_call>',
 }
 EXPECTED = {
-    "hermes": ("Let me check.\n\ntail", [json.loads(a) for a in HERMES_ARGS]),
+    "hermes": ("Let me check.\ntail", [json.loads(a) for a in HERMES_ARGS]),
     "llama3_json": ("", [{"city": "Oslo", "d": [1.5, -2e3, True, None]}, {"path": 'a\\b"c'}]),
-    "mistral": ("Sure. Done. ", [{"city": "Rome"}, {"path": "x.md"}, {"city": "Nice"}]),
-    "qwen3_coder": ("Calling.\n\nand ", [{"city": 'São "Paulo"', "days": 3}, {"path": "/tmp/a"}]),
+    "mistral": ("Sure. Done.", [{"city": "Rome"}, {"path": "x.md"}, {"city": "Nice"}]),
+    "qwen3_coder": ("Calling.\n\nand", [{"city": 'São "Paulo"', "days": 3}, {"path": "/tmp/a"}]),
 }
 SCHEMA_TOOLS = [
     tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}}),
