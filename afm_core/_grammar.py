@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,7 +39,9 @@ import numpy as np
 log = logging.getLogger("afm.grammar")
 
 _LOCK = threading.Lock()
-_TOKENIZERS: dict[int, Any] = {}
+# per Hugging Face tokenizer, weakly: an id could be reused by a later engine's tokenizer
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_ADDED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 ThinkMode = Literal["off", "optional", "started"]
 """``off``: no reasoning block; ``optional``: the model may open one first;
@@ -145,7 +148,11 @@ def is_tag_token(tokenizer: Any, tag: str) -> bool:
     """Whether ``tag`` is one added token of the vocabulary (``<tool_call>``),
     so a grammar can name it as ``<tool_call>``."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    added = hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else {}
+    with _LOCK:
+        added = _ADDED.get(hf)
+        if added is None:
+            added = frozenset(hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else ())
+            _ADDED[hf] = added
     return tag in added and tag.startswith("<") and tag.endswith(">") and ">" not in tag[1:-1]
 
 
@@ -154,11 +161,11 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     with _LOCK:
-        ll = _TOKENIZERS.get(id(hf))
+        ll = _TOKENIZERS.get(hf)
         if ll is None:
             eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
             ll = llguidance.hf.from_tokenizer(hf, eos_token=eos[0] if len(eos) == 1 else eos)
-            _TOKENIZERS[id(hf)] = ll
+            _TOKENIZERS[hf] = ll
         return ll
 
 
