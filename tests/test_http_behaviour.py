@@ -20,8 +20,10 @@ from tests.http_helpers import CHAT, body, sse, text_of
 
 
 async def wait_idle(engine) -> None:
+    """Until no request is open and the generation thread has freed every slot
+    (it applies a cancel at its next step, after the Trio side has let go)."""
     with trio.fail_after(20):
-        while engine.statistics().requests_active:
+        while (s := engine.statistics()).requests_active or s.running or s.waiting:
             await trio.sleep(0.01)
 
 
