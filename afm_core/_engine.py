@@ -144,7 +144,12 @@ class ChatStream:
             acc.feed_done()
         except StreamErrorChunk as exc:
             raise GenerationError(exc.message, code=exc.code) from None
-        return acc.result()
+        result = acc.result()
+        for choice in result["choices"]:
+            message = choice["message"]
+            if message["content"] is None and not message.get("tool_calls"):
+                message["content"] = ""  # an empty answer is "", as OpenAI's; null only beside tool calls
+        return result
 
 
 class Engine:

@@ -106,6 +106,10 @@ async def test_stop_string_straddling_tokens(echo_model_dir: Path) -> None:
         # generation really stopped: fewer tokens than the full echo
         full = len(engine._tokenizer.encode(text, add_special_tokens=False))
         assert events[-1].completion_tokens < full
+        # a stop string at the very start: an empty answer is "" (null is for tool calls only)
+        c = await engine.complete(req("stop words here", stop=["s"]))
+        assert c["choices"][0]["message"]["content"] == ""
+        assert c["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_reasoning_is_split(echo_model_dir: Path) -> None:
