@@ -31,12 +31,14 @@ import json
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 log = logging.getLogger("afm.grammar")
+T = TypeVar("T")
 
 _LOCK = threading.Lock()
 # per Hugging Face tokenizer, weakly: an id could be reused by a later engine's tokenizer
@@ -148,11 +150,8 @@ def is_tag_token(tokenizer: Any, tag: str) -> bool:
     """Whether ``tag`` is one added token of the vocabulary (``<tool_call>``),
     so a grammar can name it as ``<tool_call>``."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    with _LOCK:
-        added = _ADDED.get(hf)
-        if added is None:
-            added = frozenset(hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else ())
-            _ADDED[hf] = added
+    added = _per_tokenizer(_ADDED, hf, lambda: frozenset(
+        hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else ()))
     return tag in added and tag.startswith("<") and tag.endswith(">") and ">" not in tag[1:-1]
 
 
@@ -160,13 +159,21 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
     import llguidance.hf
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
+
+    def build() -> Any:
+        eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+        return llguidance.hf.from_tokenizer(hf, eos_token=eos[0] if len(eos) == 1 else eos)
+
+    return _per_tokenizer(_TOKENIZERS, hf, build)
+
+
+def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, T], hf: Any, build: Callable[[], T]) -> T:
+    """``cache[hf]``, built once (under the lock) on first use."""
     with _LOCK:
-        ll = _TOKENIZERS.get(hf)
-        if ll is None:
-            eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
-            ll = llguidance.hf.from_tokenizer(hf, eos_token=eos[0] if len(eos) == 1 else eos)
-            _TOKENIZERS[hf] = ll
-        return ll
+        value = cache.get(hf)
+        if value is None:
+            value = cache[hf] = build()
+        return value
 
 
 def grammar_processor(lark: str, tokenizer: Any, prompt_len: int) -> tuple[Any, bool]:
