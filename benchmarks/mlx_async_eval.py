@@ -1,6 +1,6 @@
 """How asynchronous ``mx.async_eval`` is on this machine's MLX backend.
 
-    .venv/bin/python benchmarks/mlx_async_eval.py [--ops 5,10,20,50,200] [--size 64]
+    .venv/bin/python benchmarks/mlx_async_eval.py [--ops 6,15,30,60,150,300] [--size 64] [--repeats 5]
 
 Builds a chain of N small element-wise operations, then times the
 ``mx.async_eval`` call itself and the ``mx.eval`` wait that follows.  On the
