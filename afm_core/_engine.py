@@ -65,6 +65,9 @@ class EngineConfig:
     """Enforce strict JSON schemas with llguidance token masks."""
     template_threads: int = 2
     profile_sample_interval: float = 0.1
+    cpu_fusion: bool = True
+    """On MLX's CPU backend, run the model's norms and rotary embeddings as
+    fused kernels (see ``afm_core._fusion``); no effect on the GPU."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
@@ -238,6 +241,8 @@ class Engine:
 
             try:
                 model, tokenizer, info = _loader.load(path)
+                if self.config.cpu_fusion:
+                    _loader.fuse_for_cpu(model)
                 from ._detok import DecoderTables
 
                 state["tables"] = DecoderTables.from_tokenizer(tokenizer)
@@ -258,6 +263,8 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001
                 worker.fatal = exc
                 worker.run_failed(exc)
+            finally:
+                _loader.unfuse(model)  # on this thread, while Python is alive (see _fusion)
 
         thread = threading.Thread(target=thread_main, name="afm-generation", daemon=True)
         thread.start()

@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap for requests without max_tokens (default: the rest of the context)")
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
+    engine.add_argument("--no-cpu-fusion", action="store_true",
+                        help="on MLX's CPU backend, keep mlx's unfused norm and rotary layers")
     parser.add_argument("--quiet", action="store_true", help="no access log")
 
 
@@ -88,7 +90,8 @@ async def _main(args: argparse.Namespace) -> None:
                            prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
                            prefix_cache_bytes=args.prefix_cache_bytes,
                            default_max_tokens=args.default_max_tokens,
-                           grammar=not args.no_grammar) as engine:
+                           grammar=not args.no_grammar,
+                           cpu_fusion=not args.no_cpu_fusion) as engine:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(lambda task_status: serve_engine(

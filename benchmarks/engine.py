@@ -1,6 +1,6 @@
 """In-process engine throughput vs raw mlx-lm ``BatchGenerator``, same run.
 
-    .venv/bin/python benchmarks/engine.py [--model DIR] [--levels 1,8,32] [--max-tokens 64]
+    .venv/bin/python benchmarks/engine.py [--model DIR] [--levels 1,8,32] [--max-tokens 256] [--fused-raw]
 
 For each concurrency level C, 4*C requests (``--requests-per-stream``) with the same seeded prompts go
 through (a) mlx-lm's BatchGenerator driven directly with completion batch C
@@ -16,6 +16,10 @@ during the timed part, in cores (CPU seconds / wall seconds, mean over the
 repeats): the main thread (raw's loop; Trio for ours), the engine's
 generation thread and MLX's native worker threads.  CPU time is steadier
 than tokens/s on a noisy machine and shows where the cores go.
+
+The engine runs the model with its fused CPU kernels (``afm_core._fusion``);
+raw runs mlx-lm's model as is.  ``--fused-raw`` adds raw with the same
+kernels, to show the engine's own cost apart from the kernels' gain.
 """
 
 from __future__ import annotations
@@ -80,11 +84,15 @@ class ThreadCPU:
 
 
 def raw(model_dir: Path, texts: list[str], concurrency: int, max_tokens: int,
-        cpu: ThreadCPU | None = None) -> tuple[int, float]:
+        cpu: ThreadCPU | None = None, fused: bool = False) -> tuple[int, float]:
     import mlx_lm
     from mlx_lm.generate import BatchGenerator
 
+    from afm_core._fusion import fuse_cpu_kernels, unfuse_cpu_kernels
+
     model, tok = mlx_lm.load(str(model_dir))
+    if fused:
+        fuse_cpu_kernels(model)
     ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
            for t in texts]
     gen = BatchGenerator(model, stop_tokens=[[e] for e in tok.eos_token_ids],
@@ -108,6 +116,7 @@ def raw(model_dir: Path, texts: list[str], concurrency: int, max_tokens: int,
     if cpu:
         cpu.stop()
     gen.close()
+    unfuse_cpu_kernels(model)  # frees the compiled traces on this thread
     return tokens, dt
 
 
@@ -149,6 +158,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="paired runs (raw, ours) per level")
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--threads", action="store_true", help="also print CPU per thread (Linux)")
+    ap.add_argument("--fused-raw", action="store_true",
+                    help="also run raw with the engine's fused CPU kernels (the engine's own cost apart)")
     args = ap.parse_args()
     model = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
     print(f"model: {model}\n")
@@ -156,16 +167,24 @@ def main() -> None:
     for c in [int(x) for x in args.levels.split(",")]:
         texts = prompts(args.requests_per_stream * c, seed=c)
         pairs = []
+        fused_rates = []
         raw_cpu, our_cpu = (ThreadCPU(), ThreadCPU()) if args.threads else (None, None)
         for _ in range(args.repeats):  # alternate, so both sides see the same machine
             rt, rd = raw(model, texts, c, args.max_tokens, raw_cpu)
             ot, od = trio.run(ours, model, texts, c, args.max_tokens, our_cpu)
             pairs.append((rt / rd, ot / od))
+            if args.fused_raw:
+                ft, fd = raw(model, texts, c, args.max_tokens, fused=True)
+                fused_rates.append(ft / fd)
         ratios = sorted(o / r for r, o in pairs)
         r_rate = statistics.median(r for r, _ in pairs)
         o_rate = statistics.median(o for _, o in pairs)
         print(f"{c:>4} {r_rate:>10.1f} {o_rate:>11.1f} {statistics.median(ratios):>6.3f}   "
               f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)}; {rt} tokens per run)")
+        if fused_rates:
+            own = sorted(o / f for (_, o), f in zip(pairs, fused_rates, strict=True))
+            print(f"{'':>6}raw with fused kernels {statistics.median(fused_rates):.1f} tok/s; "
+                  f"ours / that {statistics.median(own):.3f} (paired {', '.join(f'{x:.2f}' for x in own)})")
         if raw_cpu and our_cpu:
             print(f"{'':>6}cores  raw: {raw_cpu.report()}\n{'':>6}cores ours: {our_cpu.report()}")
 

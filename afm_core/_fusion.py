@@ -1,0 +1,162 @@
+"""Fused element-wise kernels for decoding on MLX's CPU backend.
+
+On the GPU, MLX runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` as one kernel
+each.  The CPU backend has no such kernels: each call expands into its
+reference graph (square, sum, rsqrt, multiplies and broadcasts for a norm;
+arange, cos, sin, slices and concatenation for a rotary embedding), and every
+operation of it is a task of its own for MLX's CPU scheduler.  For the decode
+step of a small model the cost follows the number of operations, not the
+arithmetic: the tiny test model's step is 358 operations, 127 of them from
+these two layers (``benchmarks/engine.py --census`` prints the count).
+
+:func:`fuse_cpu_kernels` makes the model's ``nn.RMSNorm`` and ``nn.RoPE``
+layers call ``mx.compile``-d versions of the same ``mx.fast`` functions.
+Compiling traces the same reference graph and fuses each run of element-wise
+operations into one generated kernel, so the layers compute the same
+operations in the same order (the generated code may contract a multiply and
+an add into one fused multiply-add, so results agree to float rounding).
+
+* Norms are compiled shapeless: one trace serves every shape.
+* Rotary embeddings cannot be (their graph slices by shape); they are compiled
+  for decode calls only (one new token per row, positions given as an array,
+  as in mlx-lm's batch caches), whose shapes repeat from step to step, so
+  there is one trace per batch width and head count.  Prefill calls, whose
+  lengths vary, keep the unfused function.
+
+Only layers whose class is exactly ``nn.RMSNorm`` or ``nn.RoPE`` change;
+model-specific variants keep their own code.  The kernels are made per call,
+so two engines in one process never share a compiled function.
+
+MLX keeps compiled traces in a per-thread cache, and clearing a thread's
+cache when the thread ends needs the GIL.  A thread that ends just as the
+interpreter shuts down (``Thread.join`` returns before the thread's C++
+thread-locals are destroyed) then aborts the process ("terminate called
+without an active exception").  :func:`unfuse_cpu_kernels`, called on the
+thread that ran the kernels before it ends, erases their traces while Python
+is sure to be alive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+__all__ = ["fuse_cpu_kernels", "unfuse_cpu_kernels", "wants_fusion"]
+
+Kernel = Callable[[mx.array, mx.array], mx.array]
+
+
+class _FusedRMSNorm(nn.RMSNorm):
+    _kernels: tuple[Kernel, Kernel]  # (one token per row, any shape)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        decode = x.ndim >= 3 and x.shape[1] == 1
+        return self._kernels[0 if decode else 1](x, self["weight"])
+
+
+class _FusedRoPE(nn.RoPE):
+    _kernels: _RopeKernels
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if (isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1
+                and (offset.ndim == 0 or offset.shape == (x.shape[0],))):
+            return self._kernels.get(x.shape[-1])(x, offset)
+        return super().__call__(x, offset)
+
+
+def _norm_kernels(eps: float) -> tuple[Kernel, Kernel]:
+    def norm(x: mx.array, weight: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, weight, eps)
+
+    # decode shapes repeat, and a shape-keyed trace saves the element count
+    # a shapeless one computes on every call
+    return mx.compile(norm), mx.compile(norm, shapeless=True)
+
+
+class _RopeKernels:
+    """Rotary embedding of one position per row, as ``x*cos + rotate(x)*sin``
+    over the whole head: ``rotate`` is a product with a fixed signed
+    permutation (exact), the frequencies are computed as MLX's reference does,
+    and dimensions past ``dims`` get angle 0 (they pass through).  Unlike the
+    reference graph it needs no slicing, so most of it fuses into one kernel.
+    One compiled kernel per head size."""
+
+    def __init__(self, dims: int, traditional: bool, base: float, scale: float):
+        self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
+        self._by_head: dict[int, Kernel] = {}
+
+    def get(self, head_dim: int) -> Kernel:
+        kernel = self._by_head.get(head_dim)
+        if kernel is None:
+            kernel = self._by_head[head_dim] = self._make(head_dim)
+        return kernel
+
+    def _make(self, head_dim: int) -> Kernel:
+        half = self.dims // 2
+        freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(self.base) / half))
+        freqs = mx.repeat(freqs, 2) if self.traditional else mx.concatenate([freqs, freqs])
+        freqs = mx.concatenate([freqs, mx.zeros((head_dim - 2 * half,), dtype=mx.float32)]) * self.scale
+        rotate = np.zeros((head_dim, head_dim), dtype=np.float32)
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if self.traditional else (i, i + half)
+            rotate[b, a], rotate[a, b] = -1.0, 1.0
+        rotation = mx.array(rotate)
+        mx.eval(freqs, rotation)  # constants: computed once, not in every step's graph
+
+        def rope(x: mx.array, offset: mx.array) -> mx.array:
+            angle = offset.astype(mx.float32)
+            if angle.ndim:
+                angle = mx.expand_dims(angle, (1, 2, 3))
+            xf = x.astype(mx.float32)
+            angle = angle * freqs
+            return (xf * mx.cos(angle) + (xf @ rotation) * mx.sin(angle)).astype(x.dtype)
+
+        return mx.compile(rope)
+
+
+def wants_fusion() -> bool:
+    """True when MLX computes on the CPU, where the fast kernels are missing."""
+    return mx.default_device() == mx.cpu
+
+
+def fuse_cpu_kernels(model: nn.Module) -> int:
+    """Switch ``model``'s plain RMSNorm and RoPE layers to fused kernels in
+    place; returns how many layers changed."""
+    norms: dict[float, tuple[Kernel, Kernel]] = {}
+    ropes: dict[tuple[int, bool, float, float], _RopeKernels] = {}
+    changed = 0
+    for _, layer in model.named_modules():
+        if type(layer) is nn.RMSNorm:
+            if layer.eps not in norms:
+                norms[layer.eps] = _norm_kernels(layer.eps)
+            kernels: object = norms[layer.eps]
+            layer.__class__ = _FusedRMSNorm
+        elif type(layer) is nn.RoPE:
+            key = (layer.dims, layer.traditional, layer.base, layer.scale)
+            if key not in ropes:
+                ropes[key] = _RopeKernels(*key)
+            kernels = ropes[key]
+            layer.__class__ = _FusedRoPE
+        else:
+            continue
+        # beside the module's dict, so the kernels never count as parameters
+        object.__setattr__(layer, "_kernels", kernels)
+        changed += 1
+    return changed
+
+
+def unfuse_cpu_kernels(model: nn.Module) -> int:
+    """Give ``model`` its plain layers back and free the kernels (their traces
+    leave the calling thread's cache); returns how many layers changed."""
+    changed = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, (_FusedRMSNorm, _FusedRoPE)):
+            layer.__class__ = layer.__class__.__mro__[1]
+            object.__delattr__(layer, "_kernels")
+            changed += 1
+    return changed
