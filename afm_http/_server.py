@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import hypercorn.trio.run as _hypercorn_run
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Event, Updated
+from hypercorn.events import Event, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -25,7 +26,8 @@ GRACEFUL_SECONDS = 5.0
 
 
 class _ReleasingTCPServer(TCPServer):
-    """hypercorn's connection handler, releasing connections whose peer is gone.
+    """hypercorn's connection handler, releasing connections whose peer is
+    gone and writing without a detour when the socket can take the bytes.
 
     When the client closes a keep-alive connection around the end of a
     response (typically right after reading ``[DONE]``), hypercorn 0.18 stops
@@ -33,9 +35,17 @@ class _ReleasingTCPServer(TCPServer):
     CLOSE-WAIT with its handler task for ``keep_alive_timeout`` seconds.
     Once the read loop has ended nothing more can arrive: stop the timer, and
     never re-arm it afterwards.
+
+    Every SSE write (one per stream per engine step) goes through hypercorn's
+    send lock and Trio's ``send_all``, which pass through the scheduler two or
+    three times even when the socket has room.  When no other send is in
+    progress, :meth:`_send_now` writes at once; whatever the socket does not
+    take (a full buffer, a slow reader), and every error, goes on through
+    hypercorn's own path, in order, after it.
     """
 
     _reader_done = False
+    _tails = 0  # writes handed to hypercorn's path and not finished
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -43,9 +53,31 @@ class _ReleasingTCPServer(TCPServer):
         await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData) and event.address is None:
+            rest = self._send_now(event.data)
+            if rest:
+                # until this tail is out, later writes queue behind it (HTTP/2
+                # streams send from several tasks; trio's lock is FIFO)
+                self._tails += 1
+                try:
+                    await super().protocol_send(RawData(data=rest))
+                finally:
+                    self._tails -= 1
+            return
         if isinstance(event, Updated) and event.idle and self._reader_done:
             return  # the peer is gone: no keep-alive wait
         await super().protocol_send(event)
+
+    def _send_now(self, data: bytes) -> bytes:
+        """Write what the socket takes right now; return the rest."""
+        stream = self.stream
+        if self._tails or self.send_lock.locked() or type(stream) is not trio.SocketStream or not data:
+            return data
+        try:
+            sent = os.write(stream.socket.fileno(), data)
+        except OSError:  # full (BlockingIOError) or broken: hypercorn's path decides
+            return data
+        return data[sent:]
 
 
 # hypercorn's trio worker looks the handler class up in this module at serve time
