@@ -380,10 +380,12 @@ class Worker:
         self.by_key.pop(job.key, None)
 
     def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
-        # mlx-lm extracts a finished row's cache lazily, as a slice of the whole
-        # batch's buffer: evaluate it, or every entry keeps that buffer alive and
-        # the byte budget (which counts the slice) means nothing
-        self.mx.eval([c.state for c in cache])
+        # mlx-lm extracts a finished row's cache lazily, as a copy of a slice of
+        # the whole batch's buffer: evaluate it, or every entry keeps that buffer
+        # alive and the byte budget (which counts the slice) means nothing.
+        # Asynchronously: waiting here would also wait for the step already
+        # queued on the stream, and the next step could not be built meanwhile.
+        self.mx.async_eval([c.state for c in cache])
         self.prefix_cache.insert_cache(self.model_key, list(tokens), cache)
         active = self.gen.prompt_cache_nbytes
         self.prefix_cache.trim_to(n_bytes=max(self.prefix_cache_bytes - active, 0))
