@@ -47,7 +47,7 @@ async def test_writes_stay_whole_and_ordered_when_the_socket_fills() -> None:
     async def reader() -> None:
         while len(received) < 6 * size:
             received.extend(await peer.receive_some(7000))
-            await trio.sleep(0)  # a slow client
+            await trio.lowlevel.checkpoint()  # a slow client
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
