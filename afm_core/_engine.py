@@ -39,6 +39,7 @@ from ._errors import (
     StreamErrorChunk,
 )
 from ._events import Event, Finish, Profile, StreamError, Usage
+from ._genthread import run_on_generation_thread
 from ._loader import ModelInfo
 from ._mailbox import Mailbox
 from ._request import ChatRequest
@@ -264,10 +265,9 @@ class Engine:
                 worker.fatal = exc
                 worker.run_failed(exc)
             finally:
-                _loader.unfuse(model)  # on this thread, while Python is alive (see _fusion)
+                _loader.unfuse(model)  # frees the kernels' traces from this thread's cache
 
-        thread = threading.Thread(target=thread_main, name="afm-generation", daemon=True)
-        thread.start()
+        thread = run_on_generation_thread(thread_main)
         try:
             await ready.wait()
         except BaseException:

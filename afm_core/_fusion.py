@@ -27,13 +27,11 @@ Only layers whose class is exactly ``nn.RMSNorm`` or ``nn.RoPE`` change;
 model-specific variants keep their own code.  The kernels are made per call,
 so two engines in one process never share a compiled function.
 
-MLX keeps compiled traces in a per-thread cache, and clearing a thread's
-cache when the thread ends needs the GIL.  A thread that ends just as the
-interpreter shuts down (``Thread.join`` returns before the thread's C++
-thread-locals are destroyed) then aborts the process ("terminate called
-without an active exception").  :func:`unfuse_cpu_kernels`, called on the
-thread that ran the kernels before it ends, erases their traces while Python
-is sure to be alive.
+MLX keeps compiled traces in a per-thread cache, and a compiled function
+erases its traces only from the cache of the thread that frees it.  The
+generation thread outlives its engine (see ``afm_core._genthread``), so
+:func:`unfuse_cpu_kernels` must run on that thread when the engine stops, or
+the traces would stay in its cache for good.
 """
 
 from __future__ import annotations

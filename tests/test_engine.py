@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -413,3 +414,21 @@ async def test_prefix_cache_memory_is_what_its_budget_counts(random_model_dir: P
         assert len(worker.prefix_cache) >= 32 and counted > 0
         # before the fix each entry kept its batch's buffer alive: ~9x what was counted
         assert held < 1.5 * counted + (1 << 20), (held, counted)
+
+
+def generation_threads() -> int:
+    return sum(t.name == "afm-generation" for t in threading.enumerate())
+
+
+async def test_generation_threads_park_between_engines(echo_model_dir: Path) -> None:
+    # a generation thread never ends (MLX's per-thread destructors need the
+    # GIL, see afm_core._genthread): closed engines' threads serve the next ones
+    async with open_engine(echo_model_dir) as a, open_engine(echo_model_dir) as b:
+        for engine in (a, b):
+            assert content(await collect(engine, req("two engines", max_tokens=8))) == "two engines"
+        pool = generation_threads()
+        assert pool >= 2
+    for _ in range(3):
+        async with open_engine(echo_model_dir) as engine:
+            assert content(await collect(engine, req("again", max_tokens=8))) == "again"
+        assert generation_threads() == pool

@@ -140,8 +140,9 @@ trio.run(main)
 
 def test_the_process_exits_cleanly_right_after_the_engine_closes(random_model_dir: Path) -> None:
     # MLX clears a thread's compiled traces when the thread ends, which needs
-    # the GIL; without the engine freeing its kernels first, an exit right
-    # after close aborted the process in about 2 runs out of 3
+    # the GIL; with generation threads that ended at engine close, an exit
+    # right after close aborted the process in about 2 runs out of 3 (see
+    # afm_core._genthread)
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(random_model_dir)],
                               capture_output=True, text=True, timeout=120)
