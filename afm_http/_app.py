@@ -66,6 +66,13 @@ def _authorized(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest(supplied, api_key.encode("utf-8")) and scheme.lower() == "bearer"
 
 
+def _sent_a_body() -> bool:
+    """Whether the current request carries a body (a length above 0, or chunked)."""
+    if request.content_length:
+        return True
+    return "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+
+
 def _profile_mode(value: str | None) -> str | None:
     if value is None or value.strip().lower() in PROFILE_OFF:
         return None
@@ -151,6 +158,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
             response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
             response.headers["Access-Control-Max-Age"] = "600"
             response.headers["Vary"] = "Origin"
+        if not g.get("afm_body_read") and _sent_a_body() and request.http_version.startswith("1"):
+            # answered without reading the request body (an early 400/401, a 404): hypercorn
+            # cannot reuse the connection and closes it after this response.  Say so, or a
+            # client that reuses it sees it vanish ("disconnected without a response")
+            response.headers["Connection"] = "close"
         statuses[response.status_code] += 1
         return response
 
@@ -174,6 +186,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
             raise RequestError(f"the request body exceeds {cfg.max_body_bytes} bytes", status=413,
                                code="request_too_large")
         raw = await request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
+        g.afm_body_read = True
         return parse_json(raw, max_depth=cfg.max_json_depth)
 
     @app.post("/v1/chat/completions")

@@ -221,3 +221,23 @@ async def test_32_mixed_clients_leave_nothing_behind(echo_model_dir: Path) -> No
         assert stats.finished.get("cancelled", 0) >= 8
         r = await c.post(CHAT, json=body("after the storm"))
         assert r.json()["choices"][0]["message"]["content"] == "after the storm"
+
+
+async def test_a_body_left_unread_closes_the_connection_openly(echo_model_dir: Path) -> None:
+    # hypercorn closes a connection whose request body the app never read; the response
+    # must say so, or a client reusing the connection finds it gone (seen in the fuzzer)
+    async with running_server(echo_model_dir) as (url, _engine), httpx.AsyncClient(base_url=url) as c:
+        r = await c.post(CHAT, json=body("x"), headers={"X-Request-ID": "a" * 300})
+        assert r.status_code == 400 and r.headers["connection"] == "close"
+        r = await c.post("/v1/nothing-here", json=body("x"))
+        assert r.status_code == 404 and r.headers["connection"] == "close"
+        # the body was read: the connection stays open for the next request
+        r = await c.post(CHAT, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "close" not in r.headers.get("connection", "")
+        r = await c.post(CHAT, json=body("still served"))
+        assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
+        r = await c.get("/v1/models")  # no body at all
+        assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
+        for _ in range(20):  # rejected and served requests, back to back on reused connections
+            assert (await c.post(CHAT, json=body("x"), headers={"X-Request-ID": "b" * 300})).status_code == 400
+            assert (await c.post(CHAT, json=body("ok"))).status_code == 200
