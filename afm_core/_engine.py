@@ -239,11 +239,12 @@ class Engine:
 
         def thread_main() -> None:
             from . import _loader
+            from ._fusion import fuse_for_cpu, unfuse_cpu_kernels
 
             try:
                 model, tokenizer, info = _loader.load(path)
                 if self.config.cpu_fusion:
-                    _loader.fuse_for_cpu(model)
+                    fuse_for_cpu(model)
                 from ._detok import DecoderTables
 
                 state["tables"] = DecoderTables.from_tokenizer(tokenizer)
@@ -265,7 +266,7 @@ class Engine:
                 worker.fatal = exc
                 worker.run_failed(exc)
             finally:
-                _loader.unfuse(model)  # frees the kernels' traces from this thread's cache
+                unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
 
         thread = run_on_generation_thread(thread_main)
         try:

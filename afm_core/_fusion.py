@@ -6,22 +6,22 @@ reference graph (square, sum, rsqrt, multiplies and broadcasts for a norm;
 arange, cos, sin, slices and concatenation for a rotary embedding), and every
 operation of it is a task of its own for MLX's CPU scheduler.  For the decode
 step of a small model the cost follows the number of operations, not the
-arithmetic: the tiny test model's step is 358 operations, 127 of them from
-these two layers (``benchmarks/engine.py --census`` prints the count).
+arithmetic: the tiny test model's step is 358 operations with mlx's layers
+and 198 with these (``benchmarks/cpu_fusion.py`` prints them by primitive).
 
 :func:`fuse_cpu_kernels` makes the model's ``nn.RMSNorm`` and ``nn.RoPE``
-layers call ``mx.compile``-d versions of the same ``mx.fast`` functions.
-Compiling traces the same reference graph and fuses each run of element-wise
-operations into one generated kernel, so the layers compute the same
-operations in the same order (the generated code may contract a multiply and
-an add into one fused multiply-add, so results agree to float rounding).
+layers call ``mx.compile``-d kernels, in which MLX fuses each run of
+element-wise operations into one generated kernel (the generated code may
+contract a multiply and an add into one fused multiply-add, so results agree
+with mlx's layers to float rounding).
 
-* Norms are compiled shapeless: one trace serves every shape.
-* Rotary embeddings cannot be (their graph slices by shape); they are compiled
-  for decode calls only (one new token per row, positions given as an array,
-  as in mlx-lm's batch caches), whose shapes repeat from step to step, so
-  there is one trace per batch width and head count.  Prefill calls, whose
-  lengths vary, keep the unfused function.
+* Norms compile ``mx.fast.rms_norm`` itself: a shape-keyed trace for decode
+  shapes (one token per row, which repeat from step to step) and a shapeless
+  one for every other shape.
+* Rotary embeddings at decode (one position per row, positions given as an
+  array, as in mlx-lm's batch caches) use the slice-free form described in
+  :class:`_RopeKernels`, one trace per batch width and head count.  Prefill
+  calls, whose lengths vary, keep mlx's own function.
 
 Only layers whose class is exactly ``nn.RMSNorm`` or ``nn.RoPE`` change;
 model-specific variants keep their own code.  The kernels are made per call,
@@ -36,6 +36,7 @@ the traces would stay in its cache for good.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +45,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-__all__ = ["fuse_cpu_kernels", "unfuse_cpu_kernels", "wants_fusion"]
+log = logging.getLogger("afm.engine")
+
+__all__ = ["fuse_cpu_kernels", "fuse_for_cpu", "unfuse_cpu_kernels", "wants_fusion"]
 
 Kernel = Callable[[mx.array, mx.array], mx.array]
 
@@ -145,6 +148,15 @@ def fuse_cpu_kernels(model: nn.Module) -> int:
         # beside the module's dict, so the kernels never count as parameters
         object.__setattr__(layer, "_kernels", kernels)
         changed += 1
+    return changed
+
+
+def fuse_for_cpu(model: nn.Module) -> int:
+    """:func:`fuse_cpu_kernels` when MLX computes on the CPU (logged); 0 elsewhere."""
+    if not wants_fusion():
+        return 0
+    changed = fuse_cpu_kernels(model)
+    log.info("CPU backend: %d norm and rotary layers run as fused kernels", changed)
     return changed
 
 

@@ -36,13 +36,9 @@ class Run:
         self.fn = fn
         self._done = threading.Event()
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the function returned; False if ``timeout`` passed first."""
-        return self._done.wait(timeout)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
+    def join(self) -> None:
+        """Wait until the function returned."""
+        self._done.wait()
 
 
 class _Parked:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ._errors import ModelLoadError
-
-log = logging.getLogger("afm.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +33,6 @@ def load(path: Path) -> tuple[Any, Any, ModelInfo]:
     except Exception as exc:  # any failure surfaces as a typed error
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
     return model, tokenizer, describe(path, tokenizer)
-
-
-def fuse_for_cpu(model: Any) -> int:
-    """Fuse the model's norms and rotary embeddings when MLX computes on the
-    CPU (see ``afm_core._fusion``); returns how many layers changed."""
-    from ._fusion import fuse_cpu_kernels, wants_fusion
-
-    if not wants_fusion():
-        return 0
-    changed = fuse_cpu_kernels(model)
-    log.info("CPU backend: %d norm and rotary layers run as fused kernels", changed)
-    return changed
-
-
-def unfuse(model: Any) -> None:
-    """Undo :func:`fuse_for_cpu`; call it on the thread that ran the model."""
-    from ._fusion import unfuse_cpu_kernels
-
-    unfuse_cpu_kernels(model)
 
 
 def describe(path: Path, tokenizer: Any) -> ModelInfo:
