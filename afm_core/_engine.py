@@ -68,7 +68,8 @@ class EngineConfig:
     profile_sample_interval: float = 0.1
     cpu_fusion: bool = True
     """On MLX's CPU backend, run the model's norms and rotary embeddings as
-    fused kernels (see ``afm_core._fusion``); no effect on the GPU."""
+    fused kernels and its linear layers with transposed weights (see
+    ``afm_core._fusion``); no effect on the GPU."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:

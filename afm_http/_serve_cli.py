@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
     engine.add_argument("--no-cpu-fusion", action="store_true",
-                        help="on MLX's CPU backend, keep mlx's unfused norm and rotary layers")
+                        help="on MLX's CPU backend, keep mlx-lm's own norm, rotary and linear layers")
     parser.add_argument("--quiet", action="store_true", help="no access log")
 
 

@@ -10,11 +10,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
 from afm_core._batch import install
 from afm_core._engine import open_engine
-from afm_core._fusion import _FusedRMSNorm, _FusedRoPE, fuse_cpu_kernels, wants_fusion
+from afm_core._fusion import (
+    _FusedRMSNorm,
+    _FusedRoPE,
+    _HeadEmbedding,
+    _TransposedLinear,
+    fuse_cpu_kernels,
+    unfuse_cpu_kernels,
+    wants_fusion,
+)
 from afm_core._request import ChatRequest
 
 pytestmark = pytest.mark.skipif(not wants_fusion(), reason="fusion applies to MLX's CPU backend")
@@ -26,16 +35,59 @@ def load(path: Path) -> Any:
     return mlx_lm.load(str(path))[0]
 
 
-def test_every_plain_norm_and_rope_is_fused(random_model_dir: Path) -> None:
+def test_every_plain_layer_is_switched_and_switched_back(random_model_dir: Path) -> None:
     model = load(random_model_dir)
-    norms = sum(type(m) is nn.RMSNorm for _, m in model.named_modules())
-    ropes = sum(type(m) is nn.RoPE for _, m in model.named_modules())
-    assert norms and ropes
-    assert fuse_cpu_kernels(model) == norms + ropes
-    kinds = [type(m) for _, m in model.named_modules()]
-    assert kinds.count(_FusedRMSNorm) == norms and kinds.count(_FusedRoPE) == ropes
-    assert nn.RMSNorm not in kinds and nn.RoPE not in kinds
-    assert fuse_cpu_kernels(model) == 0  # already fused: nothing left to change
+    before = {k: mx.array(v) for k, v in tree_flatten(model.parameters())}
+
+    def count(kind: type) -> int:
+        return sum(type(m) is kind for _, m in model.named_modules())
+
+    norms, ropes, linears = count(nn.RMSNorm), count(nn.RoPE), count(nn.Linear)
+    assert norms and ropes and linears and count(nn.Embedding) == 1  # the tiny model ties its head
+    assert fuse_cpu_kernels(model) == norms + ropes + linears + 1
+    assert (count(_FusedRMSNorm), count(_FusedRoPE), count(_TransposedLinear), count(_HeadEmbedding)) == (
+        norms, ropes, linears, 1)
+    assert not (count(nn.RMSNorm) or count(nn.RoPE) or count(nn.Linear) or count(nn.Embedding))
+    assert fuse_cpu_kernels(model) == 0  # already switched: nothing left to change
+    # same bytes: the weights are transposed in place, the head's copy is not a parameter
+    assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == sum(v.nbytes for v in before.values())
+    assert unfuse_cpu_kernels(model) == norms + ropes + linears + 1
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == before.keys()
+    assert all(mx.array_equal(after[k], v).item() for k, v in before.items())
+    assert count(nn.Linear) == linears and count(nn.Embedding) == 1
+
+
+class _Projections(nn.Module):
+    def __init__(self, head: bool) -> None:
+        super().__init__()
+        self.plain = nn.Linear(64, 1024, bias=False)
+        self.biased = nn.Linear(128, 64, bias=True)
+        self.embed = nn.Embedding(1024, 64)
+        if head:
+            self.lm_head = nn.Linear(64, 1024, bias=False)
+
+
+def test_transposed_weights_compute_the_same_products() -> None:
+    mx.random.seed(5)
+    ref = _Projections(head=False)
+    model = _Projections(head=False)
+    model.update(ref.parameters())
+    assert fuse_cpu_kernels(model) == 3
+    assert model.plain.weight.shape == (64, 1024)
+    for shape in [(1, 1, 64), (9, 1, 64), (2, 13, 64), (64, 64)]:
+        x = mx.random.normal(shape)
+        y = mx.random.normal((*shape[:-1], 128))
+        # a dot product sums in the same order either way: the same bits
+        assert mx.array_equal(model.plain(x), ref.plain(x)).item(), shape
+        assert mx.array_equal(model.embed.as_linear(x), ref.embed.as_linear(x)).item(), shape
+        # with a bias, the addition comes at another point: a rounding apart
+        assert mx.allclose(model.biased(y), ref.biased(y), rtol=1e-6, atol=1e-6).item(), shape
+    ids = mx.array([[0, 5, 1023]])
+    assert mx.array_equal(model.embed(ids), ref.embed(ids)).item()  # lookups read the table itself
+    untied = _Projections(head=True)
+    assert fuse_cpu_kernels(untied) == 3  # the head has its own weight: no copy of the table
+    assert type(untied.embed) is nn.Embedding
 
 
 class _Holder(nn.Module):
