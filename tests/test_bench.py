@@ -329,6 +329,54 @@ def test_report_ratios_and_table() -> None:
     assert compare(c1["by_target"]["raw"], c1["by_target"]["raw"])["output_tokens_per_s"] == 1.0
 
 
+def test_report_sets_ours_against_raw_with_the_engine_kernels() -> None:
+    runs = [_run("raw", 1, 100, 0.010), _run("raw+kernels", 1, 150, 0.008), _run("ours", 1, 120, 0.011)]
+    rep = build_report(runs, meta={}, config={}, skipped={})
+    c1 = rep["levels"][0]
+    assert c1["vs_raw"]["raw+kernels"]["output_tokens_per_s"] == pytest.approx(1.5)
+    assert c1["ours_vs_raw_kernels"]["output_tokens_per_s"] == pytest.approx(0.8)
+    assert c1["ours_vs_raw_kernels"]["ttft_p50_delta_ms"] == pytest.approx(3.0)
+    table = format_table(rep)
+    assert "ours/raw+k" in table and "ours/peer" not in table
+
+
+def test_raw_with_the_engine_kernels(random_model_dir: Path, tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw,raw_kernels",
+               "--concurrency", "1,3", "--requests", "6", "--max-tokens", "8",
+               "--prompt-words", "8:16", "--warmup", "1", "--level-timeout", "30",
+               "--time-budget", "60", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["targets"] == ["raw", "raw+kernels"]
+    for entry in rep["levels"]:
+        for name in ("raw", "raw+kernels"):
+            s = entry["by_target"][name]
+            assert s["requests"] == 6 and s["ok"] == 6 and s["errors"] == {}, s
+        assert entry["vs_raw"]["raw+kernels"]["output_tokens_per_s"] > 0
+    assert "raw+kernels" not in rep["checks"]["prompt_tokens_vs_raw"]
+
+
+async def test_raw_runner_applies_and_frees_the_engine_kernels(random_model_dir: Path) -> None:
+    from afm_core._fusion import wants_fusion
+
+    def kinds(runner: bench.RawRunner) -> set[str]:
+        return {type(m).__name__ for _, m in runner._model.named_modules()}
+
+    plain, fused = bench.RawRunner(random_model_dir), bench.RawRunner(random_model_dir, kernels=True)
+    for runner in (plain, fused):
+        await runner.load()
+    try:
+        assert "_FusedRMSNorm" not in await plain._call(kinds, plain)
+        assert ("_FusedRMSNorm" in await fused._call(kinds, fused)) is wants_fusion()
+    finally:
+        await plain.aclose()
+        await fused.aclose()
+    assert fused._model is None  # closed on its own thread, kernels freed there
+
+
 def test_public_names() -> None:
     assert set(bench.__all__) == {
         "BenchConfig", "Job", "RawRunner", "RequestResult", "RunResult", "SSEParser",

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=None,
       help="mlx-lm model directory (default: a fresh random tiny test model)")
     a("--targets", type=_targets, default=("raw", "peer", "ours"),
-      help="comma list of raw, peer (mlx_lm.server), ours (afm serve); default all")
+      help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
+           "(mlx_lm.server), ours (afm serve); default raw,peer,ours")
     a("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop levels")
     a("--requests", type=int, default=None,
       help="requests per closed-loop level (default max(32, 4 x concurrency))")

@@ -2,19 +2,26 @@
 
 No HTTP, no detokenizer, no JSON: token ids in, token ids out, with the same
 chat template, greedy sampling, stop tokens and ``max_tokens`` as the served
-path.  ``RawRunner`` owns one dedicated thread (a single-worker executor):
-MLX streams are thread-local, so the model is loaded, the stream made and
-every step run on that thread; Trio only awaits the result of a whole level.
-Loops are bounded by their own deadline, checked every step.
+path.  ``RawRunner`` owns one dedicated thread (a parked generation thread,
+see ``afm_core._genthread``): MLX streams are thread-local, so the model is
+loaded, the stream made and every step run on that thread; Trio only awaits
+the result of a whole level.  Loops are bounded by their own deadline,
+checked every step.
+
+With ``kernels=True`` the model runs with the engine's CPU kernels
+(``afm_core._fusion``; nothing changes on the GPU): the same model as the
+served engine computes, so ours over that shows the server's own cost apart
+from the kernels.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,17 +36,41 @@ T = TypeVar("T")
 class RawRunner:
     """Loads ``model_dir`` on a dedicated thread and runs levels there."""
 
-    def __init__(self, model_dir: str | Path, *, prefill_batch_size: int = 8) -> None:
+    def __init__(self, model_dir: str | Path, *, prefill_batch_size: int = 8,
+                 kernels: bool = False, name: str = "raw") -> None:
+        from afm_core._genthread import run_on_generation_thread
+
         self.model_dir = str(model_dir)
         self.prefill_batch_size = prefill_batch_size
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="afm-bench-mlx")
+        self.kernels = kernels
+        self.name = name
         self._model: Any = None
         self._tokenizer: Any = None
         self._stream: Any = None
         self._prompts: dict[int, list[int]] = {}
+        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None]
+        self._inbox = queue.SimpleQueue()
+        self._thread = run_on_generation_thread(self._serve)
+
+    def _serve(self) -> None:
+        """The thread's loop: run calls in order until ``aclose``."""
+        try:
+            while (item := self._inbox.get()) is not None:
+                fn, args, fut = item
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+                    fut.set_exception(exc)
+        finally:
+            if self._model is not None and self.kernels:
+                from afm_core._fusion import unfuse_cpu_kernels
+
+                unfuse_cpu_kernels(self._model)  # frees the kernels' traces from this thread's cache
+            self._model = self._tokenizer = self._stream = None
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        fut = self._executor.submit(fn, *args)
+        fut: Future[T] = Future()
+        self._inbox.put((fn, args, fut))
         return await trio.to_thread.run_sync(fut.result)
 
     async def load(self) -> None:
@@ -47,7 +78,8 @@ class RawRunner:
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._executor.shutdown)
+            self._inbox.put(None)
+            await trio.to_thread.run_sync(self._thread.join)
 
     async def prompt_tokens(self, workload: Workload) -> list[int]:
         """Prompt length in tokens of every job (for cross-checks)."""
@@ -75,6 +107,10 @@ class RawRunner:
 
         # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
         self._model, self._tokenizer = load(self.model_dir)  # type: ignore[misc]
+        if self.kernels:
+            from afm_core._fusion import fuse_for_cpu
+
+            fuse_for_cpu(self._model)
         self._stream = mx.new_stream(mx.default_device())
 
     def _ids(self, workload: Workload, i: int) -> list[int]:
@@ -161,4 +197,4 @@ class RawRunner:
         for r in done:
             r.start = max(0.0, r.start - t_start) if r.start else 0.0
         done.sort(key=lambda r: r.index)
-        return RunResult("raw", mode, level, duration, done, truncated=truncated)
+        return RunResult(self.name, mode, level, duration, done, truncated=truncated)

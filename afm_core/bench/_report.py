@@ -1,8 +1,9 @@
 """Turn run results into the report: JSON, a readable table and a PNG plot.
 
 Every served figure is set against ``raw`` from the same run (``*_vs_raw``)
-and, when both ran, ours against the peer (``ours_vs_peer``).  Latencies are
-milliseconds.
+and, when both ran, ours against the peer (``ours_vs_peer``) and against raw
+with the engine's CPU kernels (``ours_vs_raw_kernels``: the server's own cost
+apart from the kernels).  Latencies are milliseconds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ._results import RunResult
 from ._stats import ratio
 
 RAW = "raw"
+RAW_KERNELS = "raw+kernels"
 OURS = "ours"
 PEER = "mlx_lm.server"
 
@@ -61,6 +63,8 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
             entry["vs_raw"] = {t: compare(s, by[RAW]) for t, s in by.items() if t != RAW}
         if OURS in by and PEER in by:
             entry["ours_vs_peer"] = compare(by[OURS], by[PEER])
+        if OURS in by and RAW_KERNELS in by:
+            entry["ours_vs_raw_kernels"] = compare(by[OURS], by[RAW_KERNELS])
     ordered = sorted(levels.values(), key=lambda e: (e["mode"] != "closed", e["level"]))
     return {"meta": meta, "config": config, "targets": targets, "skipped": skipped,
             "levels": ordered}
@@ -105,14 +109,15 @@ def format_table(report: dict[str, Any]) -> str:
                 shown = " ".join(f"{k}={means[k]:.4g}" for k in keys if k in means)
                 lines.append(f"{entry['label']:<11} {target + ' prof':<14} "
                              f"({prof['captured']} profiles, means) {shown}")
-        ovp = entry.get("ours_vs_peer")
-        if ovp:
-            lines.append(
-                f"{entry['label']:<11} {'ours/peer':<14} {_fmt(ovp['output_tokens_per_s'], '.3f'):>9}"
-                f" {'':>6} {_fmt(ovp['request_throughput'], '.3f'):>7} "
-                f"{_fmt(ovp['ttft_p50'], '.3f'):>9} {'':>7} {'':>7} "
-                f"{_fmt(ovp['itl_p50'], '.3f'):>8} {_fmt(ovp['itl_p99'], '.3f'):>7} "
-                f"{_fmt(ovp['e2e_p50'], '.3f'):>8}")
+        for key, label in (("ours_vs_peer", "ours/peer"), ("ours_vs_raw_kernels", "ours/raw+k")):
+            ovp = entry.get(key)
+            if ovp:
+                lines.append(
+                    f"{entry['label']:<11} {label:<14} {_fmt(ovp['output_tokens_per_s'], '.3f'):>9}"
+                    f" {'':>6} {_fmt(ovp['request_throughput'], '.3f'):>7} "
+                    f"{_fmt(ovp['ttft_p50'], '.3f'):>9} {'':>7} {'':>7} "
+                    f"{_fmt(ovp['itl_p50'], '.3f'):>8} {_fmt(ovp['itl_p99'], '.3f'):>7} "
+                    f"{_fmt(ovp['e2e_p50'], '.3f'):>8}")
         lines.append("")
     if report.get("skipped"):
         for name, why in report["skipped"].items():

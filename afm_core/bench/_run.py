@@ -28,11 +28,12 @@ import trio
 
 from . import _loadgen, _servers
 from ._raw import RawRunner
-from ._report import OURS, RAW, build_report
+from ._report import OURS, RAW, RAW_KERNELS, build_report
 from ._results import RunResult
 from ._workload import Workload, make_workload, poisson_schedule
 
-ALL_TARGETS = ("raw", "peer", "ours")
+ALL_TARGETS = ("raw", "raw_kernels", "peer", "ours")
+DEFAULT_TARGETS = ("raw", "peer", "ours")
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class BenchConfig:
 
     model: str
     out_dir: str
-    targets: tuple[str, ...] = ALL_TARGETS
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
     requests: int | None = None  # per closed level; None -> max(32, 4 * c)
     rates: tuple[float, ...] = ()
@@ -133,10 +134,9 @@ class _Served:
 class _Raw:
     """The in-process raw limit."""
 
-    name = RAW
-
     def __init__(self, runner: RawRunner, workload: Workload, cfg: BenchConfig) -> None:
         self._runner, self._workload, self._cfg = runner, workload, cfg
+        self.name = runner.name
 
     async def level(self, lv: Level) -> RunResult:
         if lv.mode == "closed":
@@ -199,7 +199,7 @@ def _prompt_token_check(runs: list[RunResult], raw_tokens: list[int] | None,
         return {}
     out: dict[str, Any] = {}
     for run in runs:
-        if run.target == RAW:
+        if run.target in (RAW, RAW_KERNELS):
             continue
         seen = [(r.index, r.prompt_tokens) for r in run.requests if r.prompt_tokens is not None]
         bad = sum(1 for i, n in seen if raw_tokens[i % len(workload.jobs)] != n)
@@ -230,11 +230,13 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     async def open_driver(name: str, stack: AsyncExitStack) -> _Driver | None:
         """Start (or load) one target inside ``stack``; None if it failed."""
-        if name == "raw":
-            runner = RawRunner(cfg.model)
+        if name in ("raw", "raw_kernels"):
+            kernels = name == "raw_kernels"
+            runner = RawRunner(cfg.model, kernels=kernels, name=RAW_KERNELS if kernels else RAW)
             stack.push_async_callback(runner.aclose)
             await runner.load()
-            notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
+            if not kernels:
+                notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
             return _Raw(runner, workload, cfg)
         if name == "url":
             assert cfg.url is not None
