@@ -35,10 +35,10 @@ reference (netlib) BLAS, whose loops vectorize when the weight is in
 layers therefore keep their weight transposed and contiguous (same bytes, so
 the same memory; each dot product sums its terms in the same order, so
 without a bias the results are the same bits, and with one they differ by a
-rounding, the bias being added at another point), and a tied embedding used as the output head gets a
-transposed copy beside it when that copy is at most
-``TIED_HEAD_COPY_LIMIT`` bytes.  Products get 1.2-1.8x faster on this wheel
-(``benchmarks/cpu_fusion.py`` measures the whole step).
+rounding, the bias being added at another point), and a tied embedding used
+as the output head gets a transposed copy beside it when that copy is at
+most ``TIED_HEAD_COPY_LIMIT`` bytes.  Products get 1.2-2.2x faster on this
+wheel (``benchmarks/cpu_fusion.py`` measures the whole step).
 
 MLX keeps compiled traces in a per-thread cache, and a compiled function
 erases its traces only from the cache of the thread that frees it.  The

@@ -60,12 +60,14 @@ def _targets(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    from ._run import DEFAULT_TARGETS
+
     a = parser.add_argument
     a("--model", default=None,
       help="mlx-lm model directory (default: a fresh random tiny test model)")
-    a("--targets", type=_targets, default=("raw", "peer", "ours"),
+    a("--targets", type=_targets, default=DEFAULT_TARGETS,
       help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
-           "(mlx_lm.server), ours (afm serve); default raw,peer,ours")
+           "(mlx_lm.server), ours (afm serve); default " + ",".join(DEFAULT_TARGETS))
     a("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop levels")
     a("--requests", type=int, default=None,
       help="requests per closed-loop level (default max(32, 4 x concurrency))")
