@@ -128,17 +128,17 @@ class Worker:
     def setup(self) -> None:
         """Create the MLX objects; must run on the generation thread."""
         import mlx.core as mx
-        from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import LRUPromptCache
 
-        from ._batch import install
+        from ._prefill import EngineBatchGenerator
         from ._sampling import SamplerCache
 
         self.mx = mx
         self.stream = mx.new_stream(mx.default_device())
         eos = sorted(self.tokenizer.eos_token_ids)
-        self.gen = BatchGenerator(
+        self.gen = EngineBatchGenerator(
             self.model,
+            logprob_uids=self.logprob_uids,
             max_tokens=1 << 30,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=self.max_batch,
@@ -147,7 +147,6 @@ class Worker:
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )
-        install(self.gen, self.logprob_uids)
         self.prefix_cache = LRUPromptCache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
         self.samplers = SamplerCache()
         self.eos = set(eos)

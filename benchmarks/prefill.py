@@ -1,0 +1,120 @@
+"""mlx-lm's padded prefill against the engine's unpadded one, on the bench workload.
+
+    .venv/bin/python benchmarks/prefill.py [--model DIR] [--levels 8,32,64] [--requests-per-slot 4] [--repeats 3]
+
+For each concurrency C it runs the same closed loop twice per repeat, once
+with mlx-lm's ``BatchGenerator`` and once with the engine's
+``afm_core._prefill.EngineBatchGenerator`` (both with the engine's CPU
+kernels, as the engine runs): C streams at a time, each finished stream
+replaced by the next prompt in the same step, 4 x C requests of
+``afm bench``'s default workload (seed 0: chat prompts of 16-64 words,
+64 greedy completion tokens).  It prints:
+
+* the prompt rows each computes (mlx-lm computes each group to its longest
+  prompt; the engine computes every prompt at its own length);
+* tokens/s of both and the median of the paired ratios.
+
+Both must produce the same tokens, which is checked.  The default model is the
+random tiny test model (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from afm_core._fusion import fuse_for_cpu
+from afm_core._prefill import EngineBatchGenerator
+from afm_core.bench._workload import make_workload
+from afm_core.testing import make_random_model
+
+
+class Counting:
+    """``model``, counting the prompt rows it computes (calls of more than one token per row)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.prompt_rows = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kw: Any) -> Any:
+        if inputs.shape[1] > 1:
+            self.prompt_rows += inputs.shape[0] * inputs.shape[1]
+        return self.model(inputs, cache=cache, **kw)
+
+
+def closed_loop(model: Any, prompts: list[list[int]], max_tokens: list[int], c: int,
+                engine: bool) -> tuple[float, list[list[int]]]:
+    from mlx_lm.generate import BatchGenerator
+
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": c, "prefill_batch_size": min(8, c)}
+    gen = EngineBatchGenerator(model, logprob_uids=set(), **kw) if engine else BatchGenerator(model, **kw)
+    waiting = deque(range(len(prompts)))
+    out: dict[int, list[int]] = {}
+    row: dict[int, int] = {}
+    t0 = time.perf_counter()
+    while waiting or row:
+        while waiting and len(row) < c:
+            i = waiting.popleft()
+            (uid,) = gen.insert([prompts[i]], max_tokens=[max_tokens[i]])
+            row[uid] = i
+            out[i] = []
+        _, responses = gen.next()
+        for r in responses:
+            out[row[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                del row[r.uid]
+    dt = time.perf_counter() - t0
+    gen.close()
+    return sum(map(len, out.values())) / dt, [out[i] for i in range(len(prompts))]
+
+
+def main() -> None:
+    import mlx_lm
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--levels", default="8,32,64")
+    ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    path = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
+    model, tok = mlx_lm.load(str(path))
+    fuse_for_cpu(model)
+    print(f"model: {path}  device: {mx.default_device()}\n")
+    print(f"{'C':>4} {'prompt rows mlx-lm':>19} {'engine':>8} {'mlx-lm tok/s':>13} {'engine tok/s':>13} "
+          f"{'ratio':>6}  (medians)")
+    for c in [int(x) for x in args.levels.split(",")]:
+        jobs = make_workload(0, args.requests_per_slot * c).jobs
+        prompts = [list(tok.apply_chat_template([dict(m) for m in j.messages], add_generation_prompt=True))
+                   for j in jobs]
+        max_tokens = [j.max_tokens for j in jobs]
+        rows = {}
+        for engine in (False, True):
+            counting = Counting(model)
+            closed_loop(counting, prompts, max_tokens, c, engine)
+            rows[engine] = counting.prompt_rows
+        pairs = []
+        for _ in range(args.repeats):
+            p_rate, p_tokens = closed_loop(model, prompts, max_tokens, c, False)
+            e_rate, e_tokens = closed_loop(model, prompts, max_tokens, c, True)
+            if e_tokens != p_tokens:
+                raise SystemExit(f"C={c}: the engine's prefill gave different tokens")
+            pairs.append((p_rate, e_rate))
+        ratios = sorted(e / p for p, e in pairs)
+        print(f"{c:>4} {rows[False]:>19} {rows[True]:>8} {statistics.median(p for p, _ in pairs):>13.1f} "
+              f"{statistics.median(e for _, e in pairs):>13.1f} {statistics.median(ratios):>6.3f}   "
+              f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
