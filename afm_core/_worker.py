@@ -128,9 +128,9 @@ class Worker:
     def setup(self) -> None:
         """Create the MLX objects; must run on the generation thread."""
         import mlx.core as mx
-        from mlx_lm.models.cache import LRUPromptCache
 
         from ._prefill import EngineBatchGenerator
+        from ._prefix_cache import make_prefix_cache
         from ._sampling import SamplerCache
 
         self.mx = mx
@@ -147,7 +147,7 @@ class Worker:
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )
-        self.prefix_cache = LRUPromptCache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
+        self.prefix_cache = make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
         self.samplers = SamplerCache()
         self.eos = set(eos)
         self.weights_bytes = _param_bytes(self.model)

@@ -1,0 +1,125 @@
+"""The prefix cache's index: mlx-lm's prompt trie, with a fast "longer" search.
+
+The engine keeps finished requests' KV caches in mlx-lm's ``LRUPromptCache``,
+which indexes them in a trie of token ids (``PromptTrie``).  A lookup walks
+the new prompt down the trie and, when the walk leaves the stored paths
+part-way, looks for the shortest stored sequence below that point: its
+cache, trimmed to the common part, serves the prompt's prefix (this is how
+a new chat reuses the cache of another that began the same way).  mlx-lm
+finds it with a depth-first search of the whole subtree that copies the path
+at every node; with a few hundred cached prompts that share a chat template's
+start, that search visits every stored token after it and takes over a
+millisecond per request, on the generation thread, between decode steps.
+
+:class:`PrefixTrie` keeps, in every node, the length of the shortest stored
+sequence at or below it (under the key ``"__min__"``), updated along the path
+on every insert and removal.  The search then walks straight down to that
+sequence: as many steps as it is long.  Every lookup returns what mlx-lm's
+returns, except that among several shortest sequences it may pick another one
+(any gives the same cached prefix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult
+
+__all__ = ["PrefixTrie", "make_prefix_cache"]
+
+_VALUE = "__value__"
+_MIN = "__min__"
+_NONE = 1 << 62
+
+
+def _children(node: dict[Any, Any]) -> Any:
+    return ((tok, child) for tok, child in node.items() if tok != _VALUE and tok != _MIN)
+
+
+def _shortest(node: dict[Any, Any], depth: int) -> int:
+    """The shortest stored length at or below ``node`` (at ``depth``), from its children's."""
+    best = depth if _VALUE in node else _NONE
+    for _, child in _children(node):
+        best = min(best, child[_MIN])
+    return best
+
+
+class PrefixTrie(PromptTrie):
+    """mlx-lm's ``PromptTrie`` with each node's shortest stored length below it."""
+
+    def add(self, model: Any, tokens: list[int], value: Any) -> Any:
+        root = self._trie.setdefault(model, {})
+        n = len(tokens)
+        node = root
+        for tok in tokens:
+            node[_MIN] = min(node.get(_MIN, _NONE), n)
+            node = node.setdefault(tok, {})
+        node[_MIN] = min(node.get(_MIN, _NONE), n)
+        prev = node.get(_VALUE)
+        node[_VALUE] = value
+        return prev
+
+    def _path(self, model: Any, tokens: list[int]) -> list[dict[Any, Any]]:
+        path = [self._trie[model]]
+        for tok in tokens:
+            path.append(path[-1][tok])
+        return path
+
+    def _refresh(self, path: list[dict[Any, Any]]) -> None:
+        for depth in range(len(path) - 1, -1, -1):
+            path[depth][_MIN] = _shortest(path[depth], depth)
+
+    def pop(self, model: Any, tokens: list[int]) -> Any:
+        path = self._path(model, tokens)
+        value = path[-1].pop(_VALUE)
+        # drop the nodes left with nothing below them, then fix the lengths above
+        for i in range(len(tokens), 0, -1):
+            node = path[i]
+            if _VALUE in node or any(True for _ in _children(node)):
+                break
+            del path[i - 1][tokens[i - 1]]
+            path.pop()
+        self._refresh(path)
+        return value
+
+    def pop_prefixes(self, model: Any, tokens: list[int]) -> list[tuple[int, Any]]:
+        path = self._path(model, tokens)
+        values = [(i, path[i].pop(_VALUE)) for i in range(len(tokens)) if _VALUE in path[i]]
+        if values:
+            self._refresh(path)
+        return values
+
+    def search(self, model: Any, tokens: list[int]) -> PromptTrieResult:
+        if model not in self._trie:
+            return PromptTrieResult(model, None, None, None, 0)
+        node = self._trie[model]
+        if not tokens and _VALUE in node:
+            return PromptTrieResult(model, [], None, None, 0)
+        last = -1
+        index = 0
+        while index < len(tokens) and tokens[index] in node:
+            node = node[tokens[index]]
+            if _VALUE in node:
+                last = index
+            index += 1
+        if last == len(tokens) - 1 >= 0:
+            return PromptTrieResult(model, tokens, None, None, 0)
+        shorter = tokens[: last + 1] if last > 0 else None
+        longer = None
+        if index > 0:
+            target = node[_MIN]
+            path = tokens[:index]
+            depth = index
+            while not (depth == target and _VALUE in node):
+                tok, node = next((t, c) for t, c in _children(node) if c[_MIN] == target)
+                path.append(tok)
+                depth += 1
+            longer = path
+        return PromptTrieResult(model, None, shorter, longer, index)
+
+
+def make_prefix_cache(max_size: int, max_bytes: int) -> LRUPromptCache:
+    """mlx-lm's ``LRUPromptCache`` indexed by a :class:`PrefixTrie`."""
+    cache = LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+    cache._trie = PrefixTrie()
+    return cache
