@@ -340,6 +340,64 @@ def test_report_sets_ours_against_raw_with_the_engine_kernels() -> None:
     assert "ours/raw+k" in table and "ours/peer" not in table
 
 
+def test_rounds_are_pooled_and_ratios_are_paired_medians() -> None:
+    def rounds(target: str, tokens: list[int]) -> list[RunResult]:
+        runs = [_run(target, 1, t, 0.010) for t in tokens]
+        for r, run in enumerate(runs):
+            run.round = r
+        return runs
+
+    # round 2 of raw ran in a burst of load from elsewhere (half speed)
+    runs = rounds("raw", [100, 50, 100]) + rounds("ours", [96, 98, 94]) + rounds("mlx_lm.server", [80, 80, 80])
+    rep = build_report(runs, meta={}, config={"rounds": 3}, skipped={})
+    c1 = rep["levels"][0]
+    raw, ours = c1["by_target"]["raw"], c1["by_target"]["ours"]
+    assert raw["requests"] == 12 and raw["duration_s"] == pytest.approx(3.0)
+    assert raw["output_tokens_per_s"] == pytest.approx(250 * 4 / 3)  # pooled
+    assert ours["rounds"] == 3 and ours["output_tokens_per_s_by_round"] == pytest.approx([384, 392, 376])
+    vs = c1["vs_raw"]["ours"]
+    assert vs["output_tokens_per_s_by_round"] == pytest.approx([0.96, 1.96, 0.94])
+    assert vs["output_tokens_per_s"] == pytest.approx(0.96)  # the median, not the pooled 1.152
+    assert vs["output_tokens_per_s_pooled"] == pytest.approx(288 / 250)
+    assert c1["ours_vs_peer"]["output_tokens_per_s"] == pytest.approx(96 / 80)
+    table = format_table(rep)
+    assert "3 rounds per level" in table and "0.960" in table
+    json.dumps(rep, allow_nan=False)
+
+
+def test_plan_gives_each_round_fresh_jobs() -> None:
+    from afm_core.bench._run import BenchConfig, plan
+
+    cfg = BenchConfig(model="/m", out_dir="/o", concurrency=(1, 8), requests=4, rates=(5.0,),
+                      open_requests=3, warmup=2, rounds=2)
+    workload, levels, warmup = plan(cfg)
+    assert [(lv.level, lv.round, lv.first_index, lv.n) for lv in levels] == [
+        (1.0, 0, 0, 4), (1.0, 1, 4, 4), (8.0, 0, 8, 4), (8.0, 1, 12, 4), (5.0, 0, 16, 3), (5.0, 1, 19, 3)]
+    assert levels[4].schedule == levels[5].schedule
+    assert warmup.first_index == 22 and len(workload.jobs) == 24
+    with pytest.raises(ValueError):
+        plan(BenchConfig(model="/m", out_dir="/o", rounds=0))
+
+
+def test_interleaved_rounds_end_to_end(random_model_dir: Path, tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw,raw_kernels",
+               "--interleave", "--rounds", "2", "--concurrency", "2", "--requests", "3",
+               "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
+               "--level-timeout", "30", "--time-budget", "60", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    (entry,) = rep["levels"]
+    assert entry["by_target"]["raw"]["requests"] == 6 and entry["by_target"]["raw"]["ok"] == 6
+    assert len(entry["vs_raw"]["raw+kernels"]["output_tokens_per_s_by_round"]) == 2
+    assert "2 rounds per level" in (out / "report.txt").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--rounds", "0", "--out", str(out)])
+    assert exc.value.code == 2
+
+
 def test_raw_with_the_engine_kernels(random_model_dir: Path, tmp_path: Path) -> None:
     from afm_core._cli import main
 

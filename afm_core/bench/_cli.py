@@ -57,6 +57,13 @@ def _targets(text: str) -> tuple[str, ...]:
     return names
 
 
+def _rounds(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 20:
+        raise argparse.ArgumentTypeError("rounds must be between 1 and 20")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
@@ -87,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--interleave", action="store_true",
       help="start every target up front and run each level on all of them back to back "
            "(fairer on a busy machine; all models in memory at once)")
+    a("--rounds", type=_rounds, default=1,
+      help="run every level this many times per target, each time on fresh prompts; ratios "
+           "are the medians of the rounds' paired ratios (steadier on a busy machine; "
+           "with --interleave the order alternates each round)")
     a("--profile", action="store_true", help="send X-AFM-Profile: extended and keep the profiles")
     a("--url", default=None, help="also benchmark an already running loopback server")
     a("--url-model", default=None, help="'model' field for --url (default: omitted)")
@@ -131,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         profile=args.profile,
         interleave=args.interleave,
+        rounds=args.rounds,
         url=args.url,
         url_model=args.url_model,
         serve_args=tuple(args.serve_arg),

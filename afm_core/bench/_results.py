@@ -46,10 +46,21 @@ class RunResult:
     requests: list[RequestResult]
     truncated: bool = False  # the level's time budget ran out
     client_cpu_s: float | None = None  # CPU the load generator's process used
+    round: int = 0  # which run of this level (see BenchConfig.rounds)
 
     @property
     def label(self) -> str:
         return f"c={int(self.level)}" if self.mode == "closed" else f"rate={self.level:g}/s"
+
+    @classmethod
+    def pooled(cls, runs: list[RunResult]) -> RunResult:
+        """Several rounds of one level on one target as one run: their
+        requests together over their summed wall time."""
+        first = runs[0]
+        cpu = [r.client_cpu_s for r in runs]
+        return cls(first.target, first.mode, first.level, math.fsum(r.duration for r in runs),
+                   [q for r in runs for q in r.requests], truncated=any(r.truncated for r in runs),
+                   client_cpu_s=None if None in cpu else math.fsum(c for c in cpu if c is not None))
 
     def summary(self) -> dict[str, Any]:
         """The figures the report shows, as plain JSON-able values."""

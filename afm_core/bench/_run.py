@@ -58,6 +58,7 @@ class BenchConfig:
     max_batch: int | None = None  # both servers; None -> the largest level
     profile: bool = False
     interleave: bool = False  # all targets up at once, level by level
+    rounds: int = 1  # runs of every level per target, each on fresh jobs
     url: str | None = None
     url_model: str | None = None
     serve_args: tuple[str, ...] = ()
@@ -76,22 +77,28 @@ class Level:
     n: int
     first_index: int
     schedule: tuple[float, ...] = ()
+    round: int = 0
 
 
 def plan(cfg: BenchConfig) -> tuple[Workload, list[Level], Level]:
-    """The seeded workload, the levels and the warm-up, on disjoint job
-    ranges (so no server sees a prompt twice and prefix caches only ever
-    share the chat template's header)."""
+    """The seeded workload, the levels (each level's rounds one after the
+    other) and the warm-up, on disjoint job ranges (so no server sees a
+    prompt twice and prefix caches only ever share the chat template's
+    header)."""
+    if cfg.rounds < 1:
+        raise ValueError("rounds must be >= 1")
     levels: list[Level] = []
     nxt = 0
     for c in cfg.concurrency:
         n = cfg.requests_at(c)
-        levels.append(Level("closed", float(c), n, nxt))
-        nxt += n
+        for r in range(cfg.rounds):
+            levels.append(Level("closed", float(c), n, nxt, round=r))
+            nxt += n
     for k, rate in enumerate(cfg.rates):
         sched = tuple(poisson_schedule(rate, cfg.open_requests, cfg.seed + 1000 + k))
-        levels.append(Level("open", rate, cfg.open_requests, nxt, sched))
-        nxt += cfg.open_requests
+        for r in range(cfg.rounds):
+            levels.append(Level("open", rate, cfg.open_requests, nxt, sched, round=r))
+            nxt += cfg.open_requests
     warm_c = max(1, min(4, max(cfg.concurrency, default=1)))
     warmup = Level("closed", float(warm_c), cfg.warmup, nxt)
     workload = make_workload(cfg.seed, max(1, nxt + cfg.warmup), prompt_words=cfg.prompt_words,
@@ -266,8 +273,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     async def one_level(driver: _Driver, lv: Level) -> None:
         run = await driver.level(lv)
+        run.round = lv.round
         runs.append(run)
-        _log(_brief(run))
+        _log(_brief(run) + (f" (round {lv.round + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
 
     with trio.move_on_after(cfg.time_budget) as budget:
         if cfg.interleave:
@@ -277,7 +285,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 for d in drivers:
                     await warm(d)
                 for lv in levels:
-                    for d in drivers:
+                    # a level's rounds alternate the order (A B, B A, ...) so that
+                    # neither side always runs first after the other
+                    for d in drivers if lv.round % 2 == 0 else drivers[::-1]:
                         await one_level(d, lv)
         else:
             for n in names:
