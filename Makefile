@@ -30,7 +30,7 @@ test-pure: install
 bench: install
 	$(PY) benchmarks/stream_core.py
 	$(PY) benchmarks/engine.py
-	$(PY) benchmarks/serve_bench.py --interleave
+	$(PY) benchmarks/serve_bench.py --interleave --rounds 3
 
 lint: install
 	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1"
