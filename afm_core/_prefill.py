@@ -149,13 +149,16 @@ class EngineBatchGenerator(BatchGenerator):
         the next step, so their places in the prefill group stay taken for a
         step and it starts at most ``prefill_batch_size`` prompts every other
         step.  This is the same move as mlx-lm's, one step earlier."""
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return  # mlx-lm's step moves nothing then either
         waiting = self._currently_processing
         done = [i for i, (segments, *_) in enumerate(waiting) if len(segments) == 1 and len(segments[0]) == 1]
         if not done:
             return
         last = [waiting[i][0][0] for i in done]
         progress = [waiting[i][2] for i in done]
-        self._currently_processing = [w for i, w in enumerate(waiting) if i not in set(done)]
+        moving = set(done)
+        self._currently_processing = [w for i, w in enumerate(waiting) if i not in moving]
         batch = self._prompt_batch.split(done).generate(last)
         for uid, total in zip(batch.uids, progress, strict=True):
             prompt_responses.append(PromptProcessingBatch.Response(uid, (total, total), True, True))

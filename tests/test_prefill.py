@@ -187,3 +187,17 @@ def test_split_moves_rows_without_copying(model: Any) -> None:
     # what BatchGenerator reads of ``prompt_cache``: every row cache's size
     assert sum(c.nbytes for c in batch.prompt_cache) == sum(c.nbytes for row in caches[::2] for c in row) > 0
     assert batch.extract_cache(1) is caches[2]
+
+
+def test_the_decode_batch_stays_within_its_size(model: Any) -> None:
+    prompts = mixed_prompts(9, seed=4)
+    widest = []
+    for gen in generators(model):  # completion_batch_size 5
+        gen.insert(prompts, max_tokens=[6] * len(prompts))
+        most = 0
+        while len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+            gen.next()
+            most = max(most, len(gen._generation_batch))
+        gen.close()
+        widest.append(most)
+    assert widest[1] <= max(widest[0], 5)
