@@ -26,6 +26,7 @@ in the same step, not at the start of the next (see
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -37,50 +38,29 @@ __all__ = ["EngineBatchGenerator", "EnginePromptBatch"]
 
 
 class EnginePromptBatch(PromptProcessingBatch):
-    """mlx-lm's prompt batch with one cache per row; see the module docstring.
-
-    ``prompt_cache`` (one merged cache per layer in mlx-lm's class) is here
-    every row's caches in one flat list: what ``BatchGenerator`` reads of it
-    is their sizes.
-    """
+    """mlx-lm's prompt batch with one cache per row (``rows``); see the
+    module docstring.  mlx-lm's merged ``prompt_cache`` stays empty."""
 
     def __init__(self, model: Any, uids: list[int], caches: list[list[Any]], **kw: Any) -> None:
         super().__init__(model, uids, [], **kw)
         self.rows: list[list[Any]] = list(caches)
-        self._flatten()
-
-    def _flatten(self) -> None:
-        self.prompt_cache = [c for row in self.rows for c in row]
 
     def extract_cache(self, idx: int) -> list[Any]:
         return self.rows[idx]
 
     def extend(self, batch: Any) -> None:
         self.rows.extend(batch.rows)
-        self.prompt_cache = []  # so mlx-lm's extend does not try to merge caches
         super().extend(batch)
-        self._flatten()
 
-    def split(self, indices: list[int]) -> EnginePromptBatch:
-        """Move the rows at ``indices`` into a new batch (no copying)."""
-        chosen = sorted(indices)
-        rest = sorted(set(range(len(self.uids))) - set(chosen))
-        new = EnginePromptBatch.__new__(EnginePromptBatch)
-        new.model = self.model
-        new.prefill_step_size = self.prefill_step_size
-        new.fallback_sampler = self.fallback_sampler
-        new.uids, new.rows, new.tokens = list(self.uids), list(self.rows), list(self.tokens)
-        new.samplers, new.logits_processors = list(self.samplers), list(self.logits_processors)
-        new.max_tokens, new.stop_sequences = list(self.max_tokens), list(self.stop_sequences)
-        new.filter(chosen)
-        self.filter(rest)
-        return new
+    def _copy(self) -> EnginePromptBatch:
+        """A copy sharing the rows' caches: mlx-lm's ``split`` copies, then
+        filters each side to its own rows, so no cache is in both (mlx-lm
+        deep-copies its merged cache here)."""
+        return copy.copy(self)
 
     def filter(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
-        self.prompt_cache = []  # mlx-lm's filter would filter merged caches: there are none
         super().filter(keep)
-        self._flatten()
 
     def prompt(self, tokens: list[list[int]]) -> None:
         """Run each row's ``tokens`` through the model on the row's own cache."""
@@ -120,7 +100,6 @@ class EnginePromptBatch(PromptProcessingBatch):
         )
         self.uids, self.rows, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens, self.stop_sequences = [], [], [], []
-        self.prompt_cache = []
         return batch
 
 
@@ -137,6 +116,11 @@ class EngineBatchGenerator(BatchGenerator):
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
                                  fallback_sampler=self.sampler, **kw)
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        rows = self._prompt_batch.rows
+        return int(super().prompt_cache_nbytes) + sum(c.nbytes for row in rows for c in row)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         prompt_responses, generation_responses = super()._next()

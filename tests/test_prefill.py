@@ -184,8 +184,11 @@ def test_split_moves_rows_without_copying(model: Any) -> None:
     assert moved.rows[0] is caches[1] and moved.rows[1] is caches[3]
     assert batch.rows[0] is caches[0] and batch.rows[1] is caches[2]
     assert batch.tokens == [[5, 6, 7], [9, 10]]
-    # what BatchGenerator reads of ``prompt_cache``: every row cache's size
-    assert sum(c.nbytes for c in batch.prompt_cache) == sum(c.nbytes for row in caches[::2] for c in row) > 0
+    # the generator's cache size (the prefix cache's budget) counts every row cache
+    gen = EngineBatchGenerator(model, logprob_uids=set(), stop_tokens=[])
+    gen._prompt_batch = batch
+    assert gen.prompt_cache_nbytes == sum(c.nbytes for row in caches[::2] for c in row) > 0
+    gen.close()
     assert batch.extract_cache(1) is caches[2]
 
 
