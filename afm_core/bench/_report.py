@@ -46,16 +46,15 @@ def compare(s: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
-def _rounds_compare(mine: dict[int, RunResult], base: dict[int, RunResult],
-                    s: dict[str, Any], base_s: dict[str, Any]) -> dict[str, Any]:
-    """``compare`` of the pooled summaries; with several rounds, the tokens/s
-    ratio is the median of the rounds' paired ratios (a burst of load from
-    elsewhere that hits one round moves it little), and the pooled ratio
-    and every round's are kept beside it."""
-    out: dict[str, Any] = compare(s, base_s)
-    if len(mine) > 1:
-        by_round = [ratio(mine[r].summary()["output_tokens_per_s"], base[r].summary()["output_tokens_per_s"])
-                    for r in sorted(mine) if r in base]
+def _rounds_compare(s: dict[str, Any], base: dict[str, Any], s_rounds: dict[int, float | None],
+                    base_rounds: dict[int, float | None]) -> dict[str, Any]:
+    """``compare`` of the pooled summaries; with several rounds (tokens/s by
+    round number), the tokens/s ratio is the median of the rounds' paired
+    ratios (a burst of load from elsewhere that hits one round moves it
+    little), and the pooled ratio and every round's are kept beside it."""
+    out: dict[str, Any] = compare(s, base)
+    if len(s_rounds) > 1:
+        by_round = [ratio(s_rounds[r], base_rounds[r]) for r in sorted(s_rounds) if r in base_rounds]
         known = [x for x in by_round if x is not None]
         out["output_tokens_per_s_pooled"] = out["output_tokens_per_s"]
         out["output_tokens_per_s_by_round"] = by_round
@@ -78,25 +77,22 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
                                 "by_target": {}})
         grouped.setdefault(key, {}).setdefault(run.target, {})[run.round] = run
     for key, entry in levels.items():
-        rounds = grouped[key]
         by = entry["by_target"]
-        for target, runs_by_round in rounds.items():
-            pooled = RunResult.pooled([runs_by_round[r] for r in sorted(runs_by_round)])
-            by[target] = pooled.summary()
-            if len(runs_by_round) > 1:
-                by[target]["rounds"] = len(runs_by_round)
-                by[target]["output_tokens_per_s_by_round"] = [
-                    runs_by_round[r].summary()["output_tokens_per_s"] for r in sorted(runs_by_round)]
-
-        def vs(a: str, b: str) -> dict[str, Any]:
-            return _rounds_compare(rounds[a], rounds[b], by[a], by[b])  # noqa: B023 (used at once)
-
+        tps: dict[str, dict[int, float | None]] = {}  # tokens/s by target, by round
+        for target, runs_by_round in grouped[key].items():
+            order = sorted(runs_by_round)
+            by[target] = RunResult.pooled([runs_by_round[r] for r in order]).summary()
+            tps[target] = {r: runs_by_round[r].summary()["output_tokens_per_s"] for r in order}
+            if len(order) > 1:
+                by[target]["rounds"] = len(order)
+                by[target]["output_tokens_per_s_by_round"] = list(tps[target].values())
         if RAW in by:
-            entry["vs_raw"] = {t: vs(t, RAW) for t in by if t != RAW}
+            entry["vs_raw"] = {t: _rounds_compare(by[t], by[RAW], tps[t], tps[RAW]) for t in by if t != RAW}
         if OURS in by and PEER in by:
-            entry["ours_vs_peer"] = vs(OURS, PEER)
+            entry["ours_vs_peer"] = _rounds_compare(by[OURS], by[PEER], tps[OURS], tps[PEER])
         if OURS in by and RAW_KERNELS in by:
-            entry["ours_vs_raw_kernels"] = vs(OURS, RAW_KERNELS)
+            entry["ours_vs_raw_kernels"] = _rounds_compare(by[OURS], by[RAW_KERNELS], tps[OURS],
+                                                           tps[RAW_KERNELS])
     ordered = sorted(levels.values(), key=lambda e: (e["mode"] != "closed", e["level"]))
     return {"meta": meta, "config": config, "targets": targets, "skipped": skipped,
             "levels": ordered}
