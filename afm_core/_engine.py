@@ -121,6 +121,11 @@ class ChatStream:
         self.grammar_downgraded = grammar_downgraded
         self._mailbox = mailbox
 
+    @property
+    def finished(self) -> bool:
+        """True once every event of the stream has arrived: reading will not wait."""
+        return self._mailbox.closed
+
     async def batches(self) -> AsyncIterator[tuple[Event, ...]]:
         """Everything that arrived since the last batch (one engine step, or
         several when the reader fell behind), until the stream ends."""
@@ -331,6 +336,7 @@ class Engine:
             if handle.cancelled:
                 handle.finished = True
                 mailbox.put((Finish("cancelled"), Usage(len(job.prompt), 0, 0)))
+                mailbox.close()
             else:
                 handle.submitted = True
                 self._worker.submit(job)
@@ -396,9 +402,10 @@ class Engine:
                 handle.first_token = True
                 self._ttft_sum += now - handle.t_submit
                 self._ttft_count += 1
+            handle.mailbox.put(events)
             if finished:
                 handle.finished = True
-            handle.mailbox.put(events)
+                handle.mailbox.close()  # the reader drains what is there, then sees the end
 
     def _prepare(self, request: ChatRequest, handle: _Handle, profile: str | None) -> tuple[Job, bool]:
         """Template, tokenize and build the job (runs in a worker thread)."""

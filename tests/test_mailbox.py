@@ -78,9 +78,11 @@ async def test_a_slow_engine_reader_catches_up_in_few_batches(echo_model_dir: Pa
     r = ChatRequest.from_openai({"messages": [{"role": "user", "content": said}]})
     async with open_engine(echo_model_dir) as engine:
         async with engine.stream(r) as s:
+            assert not s.finished
             with trio.fail_after(30):
-                while not engine.statistics().finished:
+                while not s.finished:
                     await trio.sleep(0.01)  # the whole generation happens before the first read
+            assert engine.statistics().finished == {"stop": 1}
             batches = [b async for b in s.batches()]
     assert len(batches) == 1
     events = batches[0]
