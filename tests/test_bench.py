@@ -340,6 +340,20 @@ def test_report_sets_ours_against_raw_with_the_engine_kernels() -> None:
     assert "ours/raw+k" in table and "ours/peer" not in table
 
 
+@pytest.mark.parametrize("runs", [
+    [_run("url", 8, 100, 0.01)],  # one level, no raw: the ratio panel has nothing to draw
+    [RunResult("url", "closed", 1.0, 1.0, [RequestResult(index=0, error="connect")])],  # no latencies
+    [RunResult("url", "open", 5.0, 1.0, [RequestResult(index=0, ttft=0.01, e2e=0.1, output_tokens=3)])],
+], ids=["one-level-no-raw", "all-failed", "open-loop-only"])
+def test_report_files_for_partial_runs(runs: list[RunResult], tmp_path: Path) -> None:
+    from afm_core.bench._report import write_report
+
+    rep = build_report(runs, meta={"model": "/m/tiny"}, config={}, skipped={})
+    paths = write_report(rep, tmp_path)
+    assert [p.name for p in paths] == ["report.json", "report.txt", "report.png"]
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_rounds_are_pooled_and_ratios_are_paired_medians() -> None:
     def rounds(target: str, tokens: list[int]) -> list[RunResult]:
         runs = [_run(target, 1, t, 0.010) for t in tokens]

@@ -198,28 +198,41 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         if target != RAW:
             rs = [e.get("vs_raw", {}).get(target, {}).get("output_tokens_per_s")
                   for e in closed if target in e["by_target"]]
-            ax_ratio.plot(xs, [_nan(r) for r in rs], "o-", color=color, label=target)
-    ax_ratio.axhline(1.0, color="grey", lw=0.8)
-    ax_ratio.axhline(0.95, color="grey", lw=0.8, ls=":")
+            if any(r is not None for r in rs):
+                ax_ratio.plot(xs, [_nan(r) for r in rs], "o-", color=color, label=target)
+    if ax_ratio.lines:
+        ax_ratio.axhline(1.0, color="grey", lw=0.8)
+        ax_ratio.axhline(0.95, color="grey", lw=0.8, ls=":")
+    else:
+        ax_ratio.text(0.5, 0.5, "no raw target in this run", ha="center", va="center",
+                      transform=ax_ratio.transAxes, color="grey")
     titles = [(ax_tps, "output tokens/s"), (ax_ratio, "tokens/s ÷ raw"),
               (ax_ttft, "TTFT (ms)"), (ax_itl, "inter-token latency (ms)")]
     ticks = sorted({e["level"] for e in closed})
     for ax, title in titles:
         ax.set_title(title)
         ax.set_xlabel("concurrent streams")
-        ax.set_xscale("log", base=2)
         if ticks:
+            # explicit limits: a log axis with no data (or one level) has none of its own
+            ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
+            ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     for ax in (ax_ttft, ax_itl):
-        ax.set_yscale("log")
+        if _has_positive(ax):  # a level where every request failed has no latencies
+            ax.set_yscale("log")
     model = report.get("meta", {}).get("model", "")
     fig.suptitle(f"afm bench: {Path(str(model)).name or model}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _has_positive(ax: Any) -> bool:
+    return any(math.isfinite(y) and y > 0 for line in ax.lines for y in line.get_ydata())
 
 
 def _nan(x: float | None) -> float:
