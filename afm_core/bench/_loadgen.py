@@ -3,7 +3,7 @@ URL, closed-loop (fixed concurrency) or open-loop (Poisson arrivals).
 
 ``SSEParser`` is a sans-IO parser (``feed(bytes) -> [data]``, ``flush()``);
 ``StreamObserver`` turns decoded chunks into timings and token counts.  The
-HTTP side is httpx on Trio.  Every run is bounded: a request count, a
+HTTP side is the lean keep-alive client of ``_http`` (h11 on Trio).  Every run is bounded: a request count, a
 per-request time budget and a per-level time budget; requests still running
 when the level budget ends are cancelled and counted as ``deadline`` errors.
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import trio
 
+from ._http import Client, ConnectError, TransportError
 from ._results import RequestResult, RunResult
 from ._workload import Workload
 
@@ -182,17 +182,19 @@ class Target:
     def url(self) -> str:
         return self.base_url.rstrip("/") + "/v1/chat/completions"
 
+    @property
+    def path(self) -> str:
+        """The request target on the server (the URL's path and the endpoint)."""
+        return urlsplit(self.url).path
 
-def make_client(max_connections: int, request_timeout: float) -> httpx.AsyncClient:
-    """An httpx client sized for the level (no pool queueing on our side)."""
-    limits = httpx.Limits(max_connections=max_connections,
-                          max_keepalive_connections=max_connections)
-    timeout = httpx.Timeout(request_timeout, connect=10.0)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+def make_client(target: Target, max_connections: int) -> Client:
+    """A client sized for the level (no pool queueing on our side)."""
+    return Client(target.base_url, max_connections=max_connections)
 
 
 async def one_request(
-    client: httpx.AsyncClient,
+    client: Client,
     target: Target,
     workload: Workload,
     index: int,
@@ -206,19 +208,19 @@ async def one_request(
     start = time.perf_counter() if t0 is None else t0
     result = RequestResult(index=index, start=start)
     obs = StreamObserver(result, start)
-    headers = {"Accept": "text/event-stream"}
+    headers = [("Accept", "text/event-stream")]
     if target.profile:
-        headers["X-AFM-Profile"] = "extended"
-    body = job.body(model=target.model)
+        headers.append(("X-AFM-Profile", "extended"))
+    body = json.dumps(job.body(model=target.model)).encode()
     try:
         with trio.move_on_after(request_timeout) as scope:
-            async with client.stream("POST", target.url, json=body, headers=headers) as resp:
+            async with client.post(target.path, body, headers) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread())[:200].decode("utf-8", "replace")
+                    text = (await resp.read(200)).decode("utf-8", "replace")
                     result.error, result.detail = f"http_{resp.status_code}", text
                 else:
                     parser = SSEParser()
-                    async for raw in resp.aiter_raw():
+                    async for raw in resp.iter_bytes():
                         now = time.perf_counter()
                         for data in parser.feed(raw):
                             obs.data(data, now)
@@ -233,12 +235,10 @@ async def one_request(
             result.error = "deadline"
         result.e2e = time.perf_counter() - start
         raise
-    except httpx.ConnectError as exc:
+    except ConnectError as exc:
         result.error, result.detail = "connect", str(exc)[:200]
-    except httpx.TimeoutException as exc:
-        result.error, result.detail = "timeout", type(exc).__name__
-    except httpx.HTTPError as exc:
-        result.error, result.detail = "transport", f"{type(exc).__name__}: {exc}"[:200]
+    except TransportError as exc:
+        result.error, result.detail = "transport", str(exc)[:200]
     if result.e2e is None:
         result.e2e = time.perf_counter() - start
     return result
@@ -264,7 +264,7 @@ async def run_closed(
     t_start = time.perf_counter()
     cpu_start = time.process_time()
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: Client) -> None:
         nonlocal next_index
         while next_index < end_index:
             i = next_index
@@ -278,7 +278,7 @@ async def run_closed(
                 results.append(holder)
                 raise
 
-    async with make_client(concurrency, request_timeout) as client:
+    async with make_client(target, concurrency) as client:
         with trio.move_on_after(level_timeout) as scope:
             async with trio.open_nursery() as nursery:
                 for _ in range(min(concurrency, n_requests)):
@@ -315,7 +315,7 @@ async def run_open(
             results.append(holder)
             raise
 
-    async with make_client(max(1, len(schedule)), request_timeout) as client:
+    async with make_client(target, max(1, len(schedule))) as client:
         with trio.move_on_after(level_timeout) as scope:
             async with trio.open_nursery() as nursery:
                 for k, offset in enumerate(schedule):

@@ -195,7 +195,7 @@ def _meta(cfg: BenchConfig) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()),
         "mlx_device": str(mx.default_device()),
-        "versions": {p: ver(p) for p in ("mlx", "mlx-lm", "httpx", "trio")},
+        "versions": {p: ver(p) for p in ("mlx", "mlx-lm", "h11", "trio")},
     }
 
 
