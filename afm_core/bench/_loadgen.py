@@ -3,9 +3,10 @@ URL, closed-loop (fixed concurrency) or open-loop (Poisson arrivals).
 
 ``SSEParser`` is a sans-IO parser (``feed(bytes) -> [data]``, ``flush()``);
 ``StreamObserver`` turns decoded chunks into timings and token counts.  The
-HTTP side is the lean keep-alive client of ``_http`` (h11 on Trio).  Every run is bounded: a request count, a
-per-request time budget and a per-level time budget; requests still running
-when the level budget ends are cancelled and counted as ``deadline`` errors.
+HTTP side is the lean keep-alive client of ``_http`` (h11 on Trio).  Every
+run is bounded: a request count, a per-request time budget (connecting
+included) and a per-level time budget; requests still running when the level
+budget ends are cancelled and counted as ``deadline`` errors.
 
 Error kinds: ``connect``, ``timeout``, ``http_<status>``, ``transport``,
 ``bad_json``, ``stream_error`` (an error object or error-marked chunk in the
