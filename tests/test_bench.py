@@ -203,6 +203,9 @@ def test_loopback_only() -> None:
         require_loopback("http://example.com:8080")
     with pytest.raises(ValueError):
         require_loopback("http://10.0.0.1:8080")
+    for url in ("https://127.0.0.1:8443", "127.0.0.1:8080", "localhost:8080"):
+        with pytest.raises(ValueError, match="plain http"):
+            require_loopback(url)
 
 
 # --- the load generator against stub servers ---------------------------------------

@@ -36,8 +36,11 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 def require_loopback(url: str) -> None:
-    """Refuse any URL whose host is not loopback."""
-    host = urlsplit(url).hostname or ""
+    """Refuse any URL that is not plain http to a loopback host."""
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"the load generator speaks plain http (http://127.0.0.1:PORT), not {url!r}")
+    host = parts.hostname or ""
     if host not in LOOPBACK_HOSTS:
         raise ValueError(f"benchmarks run on loopback only, not {host!r}")
 
