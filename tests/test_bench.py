@@ -415,6 +415,21 @@ def test_interleaved_rounds_end_to_end(random_model_dir: Path, tmp_path: Path) -
     assert exc.value.code == 2
 
 
+def test_open_loop_only_run(random_model_dir: Path, tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw", "--concurrency", "none",
+               "--rate", "20", "--open-requests", "3", "--max-tokens", "4", "--prompt-words", "8:16",
+               "--warmup", "1", "--level-timeout", "30", "--time-budget", "60", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert [(e["mode"], e["level"]) for e in rep["levels"]] == [("open", 20.0)]
+    assert rep["levels"][0]["by_target"]["raw"]["ok"] == 3
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["bench", "--concurrency", "none", "--out", str(out)]) == 2  # nothing to run
+
+
 def test_raw_with_the_engine_kernels(random_model_dir: Path, tmp_path: Path) -> None:
     from afm_core._cli import main
 

@@ -26,6 +26,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    """Closed-loop levels; "" or "none" for none (an open-loop-only run)."""
+    return () if text.strip().lower() in ("", "none") else _ints(text)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
@@ -75,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--targets", type=_targets, default=DEFAULT_TARGETS,
       help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
            "(mlx_lm.server), ours (afm serve); default " + ",".join(DEFAULT_TARGETS))
-    a("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop levels")
+    a("--concurrency", type=_levels, default=(1, 8, 32, 64),
+      help="closed-loop levels ('none' with --rate for open loop only)")
     a("--requests", type=int, default=None,
       help="requests per closed-loop level (default max(32, 4 x concurrency))")
     a("--rate", type=_floats, default=(), help="open-loop Poisson rates in req/s, comma list")
@@ -112,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     from ._report import format_table, write_report
     from ._run import BenchConfig, run_bench
 
+    if not args.concurrency and not args.rate:
+        print("afm bench: nothing to run: give --concurrency levels or --rate", file=sys.stderr)
+        return 2
     out_dir = Path(args.out or Path("bench-results") / time.strftime("bench-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model = args.model

@@ -170,13 +170,18 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Throughput, ratio to raw, TTFT and ITL vs concurrency (closed loop)."""
+    """Throughput, ratio to raw, TTFT and ITL vs concurrency (closed loop; vs
+    the offered rate when the run has no closed-loop level)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     closed = [e for e in report["levels"] if e["mode"] == "closed"]
+    xlabel = "concurrent streams"
+    if not closed:  # an open-loop-only run: the same figures against the offered rate
+        closed = [e for e in report["levels"] if e["mode"] == "open"]
+        xlabel = "offered rate (requests/s)"
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     (ax_tps, ax_ratio), (ax_ttft, ax_itl) = axes
     for target in report["targets"]:
@@ -211,7 +216,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ticks = sorted({e["level"] for e in closed})
     for ax, title in titles:
         ax.set_title(title)
-        ax.set_xlabel("concurrent streams")
+        ax.set_xlabel(xlabel)
         if ticks:
             # explicit limits: a log axis with no data (or one level) has none of its own
             ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
