@@ -177,15 +177,15 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    closed = [e for e in report["levels"] if e["mode"] == "closed"]
+    shown = [e for e in report["levels"] if e["mode"] == "closed"]
     xlabel = "concurrent streams"
-    if not closed:  # an open-loop-only run: the same figures against the offered rate
-        closed = [e for e in report["levels"] if e["mode"] == "open"]
+    if not shown:  # an open-loop-only run: the same figures against the offered rate
+        shown = [e for e in report["levels"] if e["mode"] == "open"]
         xlabel = "offered rate (requests/s)"
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     (ax_tps, ax_ratio), (ax_ttft, ax_itl) = axes
     for target in report["targets"]:
-        pts = [(e["level"], e["by_target"][target]) for e in closed if target in e["by_target"]]
+        pts = [(e["level"], e["by_target"][target]) for e in shown if target in e["by_target"]]
         if not pts:
             continue
         xs = [p[0] for p in pts]
@@ -202,7 +202,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                     alpha=0.6, label=f"{target} p99")
         if target != RAW:
             rs = [e.get("vs_raw", {}).get(target, {}).get("output_tokens_per_s")
-                  for e in closed if target in e["by_target"]]
+                  for e in shown if target in e["by_target"]]
             if any(r is not None for r in rs):
                 ax_ratio.plot(xs, [_nan(r) for r in rs], "o-", color=color, label=target)
     if ax_ratio.lines:
@@ -213,7 +213,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                       transform=ax_ratio.transAxes, color="grey")
     titles = [(ax_tps, "output tokens/s"), (ax_ratio, "tokens/s ÷ raw"),
               (ax_ttft, "TTFT (ms)"), (ax_itl, "inter-token latency (ms)")]
-    ticks = sorted({e["level"] for e in closed})
+    ticks = sorted({e["level"] for e in shown})
     for ax, title in titles:
         ax.set_title(title)
         ax.set_xlabel(xlabel)
