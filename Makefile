@@ -40,4 +40,4 @@ lint: install
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
 	find afm_core -name '*.so' -delete
-	find ext -name '*.c' -delete
+	find ext -maxdepth 1 -name '*.c' -delete

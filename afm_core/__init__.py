@@ -5,6 +5,10 @@ The public face; implementation modules are private (``_x``).
 
 from __future__ import annotations
 
+from . import _blas
+
+_blas.ensure_loaded()  # before anything computes with MLX: see afm_core._blas
+
 from . import _architectures
 from ._accumulate import ChunkAccumulator as ChunkAccumulator
 from ._accumulate import accumulate as accumulate

@@ -68,8 +68,8 @@ class EngineConfig:
     profile_sample_interval: float = 0.1
     cpu_fusion: bool = True
     """On MLX's CPU backend, run the model's norms and rotary embeddings as
-    fused kernels and its linear layers with transposed weights (see
-    ``afm_core._fusion``); no effect on the GPU."""
+    fused kernels and, under the reference BLAS, its linear layers with
+    transposed weights (see ``afm_core._fusion``); no effect on the GPU."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
@@ -94,6 +94,9 @@ class EngineStatistics:
     ttft_seconds_sum: float
     ttft_count: int
     finished: dict[str, int] = field(default_factory=dict)
+    blas: str = ""
+    """The BLAS computing MLX's CPU products (``openblas``, ``reference``,
+    ``accelerate``; see ``afm_core._blas``), once the engine has started."""
 
 
 @dataclass(eq=False)
@@ -387,6 +390,7 @@ class Engine:
             ttft_seconds_sum=self._ttft_sum,
             ttft_count=self._ttft_count,
             finished=dict(ws.finished) if ws else {},
+            blas=w.blas if w is not None else "",
         )
 
     # -- internals -------------------------------------------------------------

@@ -28,11 +28,14 @@ or ``nn.Embedding`` change;
 model-specific variants keep their own code.  The kernels are made per call,
 so two engines in one process never share a compiled function.
 
-Matrix products go to the BLAS MLX was built with; the Linux wheel ships the
-reference (netlib) BLAS, whose loops vectorize when the weight is in
-(input, output) order and not when it is read transposed, which is how
-``nn.Linear`` and a tied ``Embedding.as_linear`` compute.  Plain ``nn.Linear``
-layers therefore keep their weight transposed and contiguous (same bytes, so
+Matrix products go to the BLAS under MLX.  Normally that is OpenBLAS
+(``afm_core._blas``), which reads a weight in either order at full speed and
+computes the output head 2x faster read as ``nn.Embedding.as_linear`` does;
+weights then stay as they are.  With the reference (netlib) BLAS that the
+Linux wheel ships (``AFM_BLAS=reference``, or no OpenBLAS), loops vectorize
+when the weight is in (input, output) order and not when it is read
+transposed, which is how ``nn.Linear`` and a tied ``Embedding.as_linear``
+compute.  Plain ``nn.Linear`` layers then keep their weight transposed and contiguous (same bytes, so
 the same memory; each dot product sums its terms in the same order, so
 without a bias the results are the same bits, and with one they differ by a
 rounding, the bias being added at another point), and a tied embedding used
@@ -160,24 +163,36 @@ def wants_fusion() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def fuse_cpu_kernels(model: nn.Module) -> int:
-    """Switch ``model``'s plain RMSNorm and RoPE layers to fused kernels, its
-    plain Linear layers to transposed weights, and give a tied output head
-    (a model without ``lm_head``) its transposed table, in place; returns how
-    many layers changed."""
+def transposes_help() -> bool:
+    """Whether MLX's products run faster on transposed weights: only with the
+    reference BLAS (see ``afm_core._blas``); OpenBLAS reads either order at
+    full speed and computes the output head 2x faster untransposed."""
+    from ._blas import blas_info
+
+    return blas_info().name == "reference"
+
+
+def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
+    """Switch ``model``'s plain RMSNorm and RoPE layers to fused kernels and,
+    with ``transpose`` (default: :func:`transposes_help`), its plain Linear
+    layers to transposed weights and a tied output head (a model without
+    ``lm_head``) to a transposed table, in place; returns how many layers
+    changed."""
+    if transpose is None:
+        transpose = transposes_help()
     tied = not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules())
     norms: dict[float, tuple[Kernel, Kernel]] = {}
     ropes: dict[tuple[int, bool, float, float], _RopeKernels] = {}
     changed = 0
     for _, layer in model.named_modules():
-        if type(layer) is nn.Linear:
+        if type(layer) is nn.Linear and transpose:
             layer.__class__ = _TransposedLinear
             layer["weight"] = mx.contiguous(layer["weight"].T)
             mx.eval(layer["weight"])
             changed += 1
             continue
         if type(layer) is nn.Embedding:
-            if not tied or layer["weight"].nbytes > TIED_HEAD_COPY_LIMIT:
+            if not transpose or not tied or layer["weight"].nbytes > TIED_HEAD_COPY_LIMIT:
                 continue
             kernels: object = mx.contiguous(layer["weight"].T)
             mx.eval(kernels)

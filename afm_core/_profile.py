@@ -20,6 +20,9 @@ memory_peak_gib        GiB     ``mx.get_peak_memory()`` (process peak)
 chip                   text    Apple chip name, else the CPU model from
                                /proc/cpuinfo (or platform.processor())
 device                 text    MLX default device (``cpu`` / ``gpu``)
+blas                   text    the BLAS computing MLX's CPU products
+                               (``afm_core._blas``: openblas, reference,
+                               accelerate)
 batch_size_mean        seqs    mean decode batch size while the request ran
 est_bandwidth_gbs      GB/s    (weights + this KV) bytes read per decode step
                                x decode steps per second; an estimate
@@ -133,6 +136,7 @@ class ProfileRecorder:
         active_bytes: int,
         peak_bytes: int,
         device: str,
+        blas: str = "",
     ) -> dict[str, Any]:
         now = time.perf_counter()
         t_first = self.t_first or now
@@ -156,6 +160,8 @@ class ProfileRecorder:
             "chip": chip,
             "device": device,
         }
+        if blas:
+            summary["blas"] = blas
         steps = self._batch_steps
         if steps:
             summary["batch_size_mean"] = _r(self._batch_sum / steps, 2)

@@ -152,6 +152,9 @@ class Worker:
         self.eos = set(eos)
         self.weights_bytes = _param_bytes(self.model)
         self.device = str(mx.default_device()).split("(")[-1].split(",")[0].replace("DeviceType.", "")
+        from ._blas import confirm
+
+        self.blas = confirm().name
 
     def run_failed(self, exc: BaseException) -> None:
         """The loop died: end every stream with an error chunk."""
@@ -364,6 +367,7 @@ class Worker:
                 active_bytes=mx.get_active_memory(),
                 peak_bytes=mx.get_peak_memory(),
                 device=self.device,
+                blas=self.blas,
             )
             events.append(Profile(payload, job.profile.extended))
         return events

@@ -25,6 +25,7 @@ import trio
 from quart import Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from afm_core._blas import blas_info
 from afm_core._engine import ChatStream, Engine
 from afm_core._errors import AFMError, RequestError
 from afm_core._events import Finish, StreamError, Usage
@@ -239,7 +240,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
         stats = engine.statistics()
         ok = engine.healthy
         return json_response({"status": "ok" if ok else "unavailable", "model": engine.model_id,
-                              "running": stats.running, "waiting": stats.waiting},
+                              "running": stats.running, "waiting": stats.waiting,
+                              "blas": blas_info().as_dict()},
                              status=200 if ok else 503)
 
     @app.get("/metrics")

@@ -74,6 +74,7 @@ def _say(message: str) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
+    from afm_core._blas import blas_info
     from afm_core._engine import open_engine
     from afm_core._models import resolve_model
 
@@ -97,6 +98,7 @@ async def _main(args: argparse.Namespace) -> None:
                 binds = await nursery.start(lambda task_status: serve_engine(
                     engine, host=args.host, port=args.port, server=server,
                     shutdown_trigger=stop.wait, quiet=args.quiet, task_status=task_status))
+                _say(f"BLAS: {blas_info().describe()}")
                 auth = ", API key required" if args.api_key else ""
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
                      f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")

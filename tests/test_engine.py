@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from afm_core._blas import blas_info
 from afm_core._engine import Engine, open_engine
 from afm_core._errors import ContextLengthError, DuplicateRequestError, EngineBusyError
 from afm_core._events import (
@@ -262,6 +263,8 @@ async def test_profiles(echo_model_dir: Path) -> None:
             assert key in p
         assert p["decode_tok_s"] > 0
         assert not any(k.startswith("gpu") for k in p)
+        # the BLAS under MLX, as the generation thread confirmed it at start
+        assert p["blas"] == engine.statistics().blas == blas_info().name
         ext = await collect(engine, req("profile me " * 5), profile="extended")
         payload = ext[-1].payload
         assert ext[-1].extended and set(payload) == {"summary", "samples"}

@@ -10,6 +10,7 @@ import openai
 import pytest
 import trio
 
+from afm_core._blas import blas_info
 from afm_http._app import ServerConfig
 from afm_http.testing import running_server
 from tests.http_helpers import CHAT, body, sse, text_of
@@ -178,7 +179,8 @@ async def test_bad_requests_get_envelopes(echo_model_dir: Path, payload: bytes, 
 async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
     cfg = ServerConfig(api_key="s3cret", max_body_bytes=2000)
     async with running_server(echo_model_dir, server=cfg) as (url, _), httpx.AsyncClient(base_url=url) as c:
-        assert (await c.get("/health")).status_code == 200
+        health = await c.get("/health")
+        assert health.status_code == 200 and health.json()["blas"] == blas_info().as_dict()
         for path in ("/v1/models", "/metrics"):
             r = await c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
