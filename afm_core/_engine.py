@@ -17,6 +17,7 @@ the next step; ``engine.cancel(id)`` ends it cleanly with ``cancelled``.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -46,6 +47,10 @@ from ._request import ChatRequest
 from ._worker import Job, Outputs, Worker
 
 TERMINAL = (Finish, StreamError)
+WARMUP_WIDTH = 4
+"""Widest decode batch the start-up warm-up runs (see ``EngineConfig.warmup``)."""
+
+log = logging.getLogger("afm.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,12 @@ class EngineConfig:
     """Enforce strict JSON schemas with llguidance token masks."""
     template_threads: int = 2
     profile_sample_interval: float = 0.1
+    warmup: bool = True
+    """Before the engine reports started, run a few short requests through
+    the whole path (template, prefill, decode at batch widths 1 to
+    ``WARMUP_WIDTH``), so the first real request pays no one-time cost
+    (MLX's CPU kernel compilation, OpenBLAS's thread start, the template's
+    first render); counters and the prefix cache are reset afterwards."""
     cpu_fusion: bool = True
     """On MLX's CPU backend, run the model's norms and rotary embeddings as
     fused kernels and, under the reference BLAS, its linear layers with
@@ -298,6 +309,8 @@ class Engine:
         self._detok_tables = state["tables"]
         self.info = state["info"]
         self._closed = False
+        if self.config.warmup:
+            await self._warm_up()
         task_status.started(self)
         try:
             await trio.sleep_forever()
@@ -394,6 +407,33 @@ class Engine:
         )
 
     # -- internals -------------------------------------------------------------
+
+    async def _warm_up(self) -> None:
+        """See :attr:`EngineConfig.warmup`: requests generating 2 to
+        ``width + 1`` tokens together decode at every width from ``width``
+        down to 1; then every counter starts from zero."""
+        width = min(WARMUP_WIDTH, self.config.max_batch)
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            req = ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hello"}],
+                                           "max_tokens": i + 2, "temperature": 0})
+            await self.complete(req, request_id=f"afm-warmup-{i}")
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(width):
+                    nursery.start_soon(one, i)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot chat still serves
+            log.warning("warm-up skipped: %s", exc)
+        assert self._worker is not None
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+        self._worker.reset(lambda: token.run_sync_soon(done.set))
+        await done.wait()
+        self._requests_total = 0
+        self._ttft_sum, self._ttft_count = 0.0, 0
+        log.info("warmed up in %.2fs (decode widths 1-%d)", time.perf_counter() - t0, width)
 
     def _dispatch(self, outputs: Outputs) -> None:
         """Runs in Trio: deliver one engine step's events."""

@@ -123,6 +123,11 @@ class Worker:
     def stop(self) -> None:
         self.commands.put(("stop",))
 
+    def reset(self, done: Callable[[], None]) -> None:
+        """Zero the counters and empty the prefix cache, then call ``done``
+        (on the generation thread); used after the start-up warm-up."""
+        self.commands.put(("reset", done))
+
     # -- the thread ----------------------------------------------------------
 
     def setup(self) -> None:
@@ -130,7 +135,6 @@ class Worker:
         import mlx.core as mx
 
         from ._prefill import EngineBatchGenerator
-        from ._prefix_cache import make_prefix_cache
         from ._sampling import SamplerCache
 
         self.mx = mx
@@ -147,7 +151,7 @@ class Worker:
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )
-        self.prefix_cache = make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
+        self.prefix_cache = self._new_prefix_cache()
         self.samplers = SamplerCache()
         self.eos = set(eos)
         self.weights_bytes = _param_bytes(self.model)
@@ -155,6 +159,11 @@ class Worker:
         from ._blas import confirm
 
         self.blas = confirm().name
+
+    def _new_prefix_cache(self) -> Any:
+        from ._prefix_cache import make_prefix_cache
+
+        return make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
 
     def run_failed(self, exc: BaseException) -> None:
         """The loop died: end every stream with an error chunk."""
@@ -198,6 +207,11 @@ class Worker:
         kind, arg = cmd
         if kind == "submit":
             self._admit(arg, outputs)
+            return
+        if kind == "reset":
+            self.stats = WorkerStats()
+            self.prefix_cache = self._new_prefix_cache()
+            arg()
             return
         job = self.by_key.get(arg)
         if job is None:

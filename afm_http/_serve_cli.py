@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap for requests without max_tokens (default: the rest of the context)")
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="report ready without running the start-up warm-up requests "
+                             "(the first request then pays one-time costs)")
     engine.add_argument("--no-cpu-fusion", action="store_true",
                         help="on MLX's CPU backend, keep mlx-lm's own norm, rotary and linear layers")
     parser.add_argument("--quiet", action="store_true", help="no access log")
@@ -92,6 +95,7 @@ async def _main(args: argparse.Namespace) -> None:
                            prefix_cache_bytes=args.prefix_cache_bytes,
                            default_max_tokens=args.default_max_tokens,
                            grammar=not args.no_grammar,
+                           warmup=not args.no_warmup,
                            cpu_fusion=not args.no_cpu_fusion) as engine:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -435,3 +436,22 @@ async def test_generation_threads_park_between_engines(echo_model_dir: Path) -> 
         async with open_engine(echo_model_dir) as engine:
             assert content(await collect(engine, req("again", max_tokens=8))) == "again"
         assert generation_threads() == pool
+
+
+async def test_warm_up_runs_before_start_and_leaves_no_trace(
+        random_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="afm.engine")
+    async with open_engine(random_model_dir) as engine:
+        assert any("warmed up" in r.getMessage() for r in caplog.records)
+        s = engine.statistics()
+        assert (s.requests_total, s.prompt_tokens, s.generation_tokens, s.steps, s.ttft_count,
+                s.prefix_cache_bytes, s.finished) == (0, 0, 0, 0, 0, 0, {})
+        # the warm-up's prompt is not in the prefix cache: nothing is served from it
+        done = await engine.complete(ChatRequest.from_openai(
+            {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}))
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert engine.statistics().requests_total == 1
+    caplog.clear()
+    async with open_engine(random_model_dir, warmup=False) as engine:
+        assert engine.statistics().requests_total == 0
+    assert not any("warmed up" in r.getMessage() for r in caplog.records)
