@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+
+# isort: split
 import mlx.core as mx
 
 from afm_core._batch import install

@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def bench(model_dir: Path, tokens: int, repeats: int) -> dict[str, float]:
+    import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+
+    # isort: split
     import mlx.core as mx
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler

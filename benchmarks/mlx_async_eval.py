@@ -19,6 +19,9 @@ import argparse
 import statistics
 import time
 
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+
+# isort: split
 import mlx.core as mx
 
 

@@ -28,6 +28,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+
+# isort: split
 import mlx.core as mx
 
 from afm_core._fusion import fuse_for_cpu

@@ -16,6 +16,9 @@ import argparse
 import random
 import time
 
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+
+# isort: split
 from mlx_lm.models.cache import PromptTrie
 
 from afm_core._prefix_cache import PrefixTrie
