@@ -8,7 +8,7 @@
  * functions' addresses through afm_cblas_bind(); the dynamic linker then binds
  * libmlx.so's cblas_* references here, ahead of the reference BLAS.
  *
- * This file links against nothing: the addresses come from ctypes, so the
+ * This file links against nothing but libdl: the addresses come from ctypes, so the
  * library works wherever the BLAS wheel was installed.  Until it is bound (it
  * never is called before that) a call goes to the next definition in the
  * lookup order, MLX's own BLAS, rather than through a null pointer.
@@ -17,22 +17,30 @@
 #include <dlfcn.h>
 #include <stddef.h>
 
-/* CBLAS enums are ints in every ABI MLX uses. */
-typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
-                         const float *, int, float, float *, int);
-typedef void (*dgemm_fn)(int, int, int, int, int, int, double, const double *, int,
-                         const double *, int, double, double *, int);
-typedef void (*cgemm_fn)(int, int, int, int, int, int, const void *, const void *, int,
-                         const void *, int, const void *, void *, int);
-
-static sgemm_fn afm_sgemm;
-static unsigned long afm_calls; /* products served by the bound BLAS */
-static dgemm_fn afm_dgemm;
-static cgemm_fn afm_cgemm;
-
+/* One forwarding function per product.  CBLAS enums are ints in every ABI
+ * MLX uses; SCALAR is alpha's and beta's type (complex ones by pointer),
+ * ELEM the matrices' element type. */
 #define AFM_EXPORT __attribute__((visibility("default")))
+#define FORWARD(name, SCALAR, ELEM)                                                          \
+    typedef void (*name##_fn)(int, int, int, int, int, int, SCALAR, const ELEM *, int,     \
+                              const ELEM *, int, SCALAR, ELEM *, int);                      \
+    static name##_fn afm_##name;                                                            \
+    AFM_EXPORT void cblas_##name(int order, int ta, int tb, int m, int n, int k,            \
+                                 SCALAR alpha, const ELEM *a, int lda, const ELEM *b,       \
+                                 int ldb, SCALAR beta, ELEM *c, int ldc) {                  \
+        name##_fn f = afm_##name;                                                           \
+        if (f)                                                                              \
+            __atomic_fetch_add(&afm_calls, 1, __ATOMIC_RELAXED);                            \
+        else                                                                                \
+            f = (name##_fn)dlsym(RTLD_NEXT, "cblas_" #name);                                \
+        f(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);                     \
+    }
 
-static void *next_definition(const char *name) { return dlsym(RTLD_NEXT, name); }
+static unsigned long afm_calls; /* products served by the bound BLAS */
+
+FORWARD(sgemm, float, float)
+FORWARD(dgemm, double, double)
+FORWARD(cgemm, const void *, void)
 
 AFM_EXPORT int afm_cblas_bind(void *sgemm, void *dgemm, void *cgemm) {
     if (sgemm == NULL || dgemm == NULL || cgemm == NULL) return -1;
@@ -49,30 +57,4 @@ AFM_EXPORT int afm_cblas_bound(void) { return afm_sgemm != NULL; }
  * here (a library that bound MLX's cblas_* elsewhere first leaves it at 0). */
 AFM_EXPORT unsigned long afm_cblas_calls(void) {
     return __atomic_load_n(&afm_calls, __ATOMIC_RELAXED);
-}
-
-#define COUNT() __atomic_fetch_add(&afm_calls, 1, __ATOMIC_RELAXED)
-
-AFM_EXPORT void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
-                            const float *a, int lda, const float *b, int ldb, float beta,
-                            float *c, int ldc) {
-    sgemm_fn f = afm_sgemm;
-    if (f) COUNT(); else f = (sgemm_fn)next_definition("cblas_sgemm");
-    f(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-AFM_EXPORT void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha,
-                            const double *a, int lda, const double *b, int ldb, double beta,
-                            double *c, int ldc) {
-    dgemm_fn f = afm_dgemm;
-    if (f) COUNT(); else f = (dgemm_fn)next_definition("cblas_dgemm");
-    f(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-AFM_EXPORT void cblas_cgemm(int order, int ta, int tb, int m, int n, int k, const void *alpha,
-                            const void *a, int lda, const void *b, int ldb, const void *beta,
-                            void *c, int ldc) {
-    cgemm_fn f = afm_cgemm;
-    if (f) COUNT(); else f = (cgemm_fn)next_definition("cblas_cgemm");
-    f(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
