@@ -40,7 +40,7 @@ from afm_core._default_model import ensure_default_model
 from afm_core._fusion import fuse_for_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_fusion import census  # noqa: E402
+from cpu_fusion import census
 
 
 def _timed(fn: Any, repeats: int) -> float:
