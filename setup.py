@@ -64,10 +64,71 @@ def native_extensions() -> list:
     ]
 
 
+def qmm_extensions() -> list:
+    """``afm_core._qmm_ext`` (``ext/qmm/``): the quantized matmul MLX primitive.
+
+    C++20 against the headers and ``libmlx`` of the installed mlx wheel, with
+    nanobind's library compiled in (domain ``mlx``, as mlx's own module), so it
+    needs mlx and the nanobind whose internals version mlx was built with.
+    Missing any of them: a warning and ``mx.quantized_matmul`` at run time.
+    x86-64 kernels are compiled per function for AVX2 / AVX-512 VNNI and chosen
+    at run time, so the baseline flags stay the compiler's defaults.
+    """
+    from setuptools import Extension
+
+    try:
+        import mlx
+        import nanobind
+    except ImportError as exc:
+        print(f"WARNING: not building afm_core._qmm_ext ({exc}); MLX's quantized "
+              "matmul will be used.", file=sys.stderr)
+        return []
+    mlx_dir = Path(next(iter(mlx.__path__)))
+    nb_dir = Path(nanobind.__file__).parent
+    # mlx.core and this module must share nanobind's internals (same version tag)
+    try:
+        header = (nb_dir / "src" / "nb_internals.h").read_text()
+        version = header.split("#  define NB_INTERNALS_VERSION", 1)[1].split()[0]
+        cores = list(mlx_dir.glob("core*.so")) + list(mlx_dir.glob("core*.pyd"))
+        compatible = bool(cores) and f"_v{version}".encode() in cores[0].read_bytes()
+    except (OSError, IndexError) as exc:
+        compatible, version = False, repr(exc)
+    if not compatible or not (mlx_dir / "include" / "mlx" / "primitives.h").exists():
+        print(f"WARNING: not building afm_core._qmm_ext: nanobind {nanobind.__version__} "
+              f"(internals {version}) does not match mlx's build, or mlx has no headers.",
+              file=sys.stderr)
+        return []
+    lib_dir = str(mlx_dir / "lib")
+    src = Path("ext") / "qmm"
+    link_args, rpaths = [], []
+    if sys.platform == "darwin":
+        link_args = ["-Wl,-rpath,@loader_path/../mlx/lib", f"-Wl,-rpath,{lib_dir}"]
+    else:
+        rpaths = ["$ORIGIN/../mlx/lib", lib_dir]  # installed beside mlx; editable
+    return [
+        Extension(
+            "afm_core._qmm_ext",
+            [str(src / "qmm_kernels.cpp"), str(src / "qmm_ext.cpp"), str(src / "nb_lib.cpp")],
+            language="c++",
+            include_dirs=[str(nb_dir / "include"), str(nb_dir / "ext" / "robin_map" / "include"),
+                          str(nb_dir / "src"), str(mlx_dir / "include")],
+            define_macros=[("NB_DOMAIN", "mlx")],
+            extra_compile_args=["-O3", "-std=c++20", "-fvisibility=hidden",
+                                "-fno-strict-aliasing"],
+            library_dirs=[lib_dir],
+            libraries=["mlx"],
+            runtime_library_dirs=rpaths,
+            extra_link_args=link_args,
+            depends=[str(p) for p in sorted(src.glob("*.h")) + sorted(src.glob("*.inc"))],
+        )
+    ]
+
+
 def extensions() -> list:
     if NO_EXTENSIONS:
         return []
-    native = [e for e in native_extensions() if not ONLY or e.name.rsplit(".", 1)[1] in ONLY]
+    native = [e for e in native_extensions() + qmm_extensions()
+              if not ONLY or e.name.rsplit(".", 1)[1] in ONLY]
     try:
         from Cython.Build import cythonize
     except ImportError:

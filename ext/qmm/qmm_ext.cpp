@@ -1,0 +1,394 @@
+// afm_core._qmm_ext: an MLX primitive computing x @ dequantize(w).T on the CPU
+// for MLX's affine quantized layout (4 or 8 bits, groups of 32, 64 or 128),
+// with the integer kernels of qmm_kernels.cpp spread over a small persistent
+// thread pool.  Built by setup.py (qmm_extensions) against the headers of the
+// installed mlx wheel and the nanobind version mlx was built with (domain
+// "mlx", so mlx.core.array crosses the binding).  No GPU kernel: eval_gpu
+// raises, and afm_core._qmatmul only calls this on the CPU device.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+
+#include "qmm_kernels.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace afm_qmm {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::atoi(v);
+}
+
+// Workers spin for a while after a job (decode runs a product every few
+// dozen microseconds), then sleep on a condition variable.
+class Pool {
+ public:
+  explicit Pool(int threads) : size_(threads < 1 ? 1 : threads) {
+    spin_us_ = env_int("AFM_QMM_SPIN_US", 300);
+    for (int i = 1; i < size_; ++i) std::thread([this, i] { work(i); }).detach();
+  }
+  int size() const { return size_; }
+
+  // fn(i) for i in [0, n), the caller taking i = 0; false (nothing run) when
+  // another thread is using the pool.
+  bool run(int n, const std::function<void(int)>& fn) {
+    if (n <= 1) {
+      fn(0);
+      return true;
+    }
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    job_ = &fn;
+    active_ = n;
+    remaining_.store(n - 1);
+    gen_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+    fn(0);
+    while (remaining_.load(std::memory_order_acquire) != 0) cpu_relax();
+    return true;
+  }
+
+ private:
+  void work(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g = gen_.load(std::memory_order_acquire);
+      if (g == seen) {
+        const auto start = std::chrono::steady_clock::now();
+        int spins = 0;
+        while ((g = gen_.load(std::memory_order_acquire)) == seen) {
+          cpu_relax();
+          if ((++spins & 63) == 0 &&
+              std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+            std::unique_lock<std::mutex> lk(mu_);
+            sleepers_.fetch_add(1);
+            cv_.wait(lk, [&] { return gen_.load() != seen; });
+            sleepers_.fetch_sub(1);
+          }
+        }
+      }
+      seen = g;
+      if (index < active_) {
+        (*job_)(index);
+        remaining_.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+
+  const int size_;
+  int spin_us_ = 300;
+  std::mutex busy_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> remaining_{0}, sleepers_{0};
+  const std::function<void(int)>* job_ = nullptr;
+  int active_ = 0;
+};
+
+Pool* g_pool = nullptr;
+std::mutex g_pool_mu;
+std::atomic<int> g_thread_limit{0};  // 0: all of the pool
+std::atomic<const KernelSet*> g_kernels{nullptr};
+
+int default_threads() {
+  int n = env_int("AFM_QMM_THREADS", 0);
+  if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+  if (n <= 0) n = 1;
+  return n > 16 ? 16 : n;
+}
+
+Pool& pool() {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  if (g_pool == nullptr) {
+    g_pool = new Pool(default_threads());  // never freed: its threads are detached
+#if defined(__unix__) || defined(__APPLE__)
+    static bool hooked = [] {
+      // a forked child has none of the workers: it makes a new pool
+      pthread_atfork(nullptr, nullptr, [] { g_pool = nullptr; });
+      return true;
+    }();
+    (void)hooked;
+#endif
+  }
+  return *g_pool;
+}
+
+const KernelSet& kernels() {
+  const KernelSet* k = g_kernels.load();
+  return k != nullptr ? *k : select_kernels();
+}
+
+template <typename T>
+const T* contiguous_2d(const mx::array& a, std::vector<T>& copy) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  const int rows = a.shape(0), cols = a.shape(1);
+  copy.resize(static_cast<size_t>(rows) * cols);
+  const T* p = a.data<T>();
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < cols; ++j) {
+      copy[static_cast<size_t>(i) * cols + j] = p[i * a.strides(0) + j * a.strides(1)];
+    }
+  }
+  return copy.data();
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::bfloat16) return ScaleType::bf16;
+  throw std::invalid_argument("afm qmm: scales and biases must be float32, float16 or bfloat16");
+}
+
+void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
+             const mx::array& biases, mx::array& out, int group, int bits) {
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  const int M = K > 0 ? static_cast<int>(x.size() / K) : 0;
+  const int nb = K / 32, ng = K / group;
+  float* y = out.data<float>();
+  if (M == 0 || N == 0) return;
+
+  // row m of x: offsets from the strides of the leading dimensions
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(M);
+  {
+    const int lead = x.ndim() - 1;
+    for (int m = 0; m < M; ++m) {
+      int64_t rem = m, off = 0;
+      for (int ax = lead - 1; ax >= 0; --ax) {
+        const int64_t dim = x.shape(ax);
+        off += (rem % dim) * x.strides(ax);
+        rem /= dim;
+      }
+      offsets[m] = off;
+    }
+  }
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, xsum;
+  q.resize(static_cast<size_t>(M) * K);
+  d.resize(static_cast<size_t>(M) * nb);
+  xsum.resize(static_cast<size_t>(M) * ng);
+  thread_local std::vector<uint32_t> wcopy;
+  thread_local std::vector<uint16_t> scopy16, bcopy16;
+  thread_local std::vector<float> scopy32, bcopy32;
+
+  QWeights wt;
+  wt.w = reinterpret_cast<const uint8_t*>(contiguous_2d<uint32_t>(w, wcopy));
+  wt.scale_type = scale_type(scales.dtype());
+  if (wt.scale_type == ScaleType::f32) {
+    wt.scales = contiguous_2d<float>(scales, scopy32);
+    wt.biases = contiguous_2d<float>(biases, bcopy32);
+  } else {
+    wt.scales = contiguous_2d<uint16_t>(scales, scopy16);
+    wt.biases = contiguous_2d<uint16_t>(biases, bcopy16);
+  }
+  wt.N = N;
+  wt.K = K;
+  wt.group = group;
+  wt.bits = bits;
+  QActs a;
+  a.q = q.data();
+  a.d = d.data();
+  a.xsum = xsum.data();
+  a.M = M;
+  a.K = K;
+
+  // (the jobs below run on other threads: they must not name the thread_locals)
+  const int64_t* offs = offsets.data();
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  float* sp = xsum.data();
+  const float* xp = x.data<float>();
+  const int64_t ks = x.strides(-1);
+  const KernelSet& ks_set = kernels();
+  Pool& p = pool();
+  int threads = p.size();
+  const int limit = g_thread_limit.load();
+  if (limit > 0 && limit < threads) threads = limit;
+  const double work = static_cast<double>(M) * N * K;
+  if (work < 200000.0) threads = 1;  // too small to be worth a hand-off
+  if (threads > N) threads = N;
+
+  if (threads == 1 || M < 16 * threads) {
+    quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp, 0, M);
+  } else {
+    const std::function<void(int)> quant = [&](int i) {
+      quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp,
+                    static_cast<int>(static_cast<int64_t>(M) * i / threads),
+                    static_cast<int>(static_cast<int64_t>(M) * (i + 1) / threads));
+    };
+    if (!p.run(threads, quant)) {  // pool busy (another stream): serial
+      threads = 1;
+      quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp,
+                    0, M);
+    }
+  }
+  if (threads == 1) {
+    ks_set.range(a, wt, y, 0, N);
+    return;
+  }
+  const std::function<void(int)> job = [&](int i) {
+    // split on multiples of 8 output rows
+    const int units = (N + 7) / 8;
+    const int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * i / threads) * 8);
+    const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * (i + 1) / threads) * 8);
+    if (n0 < n1) ks_set.range(a, wt, y, n0, n1);
+  };
+  if (!p.run(threads, job)) ks_set.range(a, wt, y, 0, N);
+}
+
+class AfmQuantizedMatmul : public mx::Primitive {
+ public:
+  AfmQuantizedMatmul(mx::Stream stream, int group, int bits)
+      : mx::Primitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                  w = mx::array::unsafe_weak_copy(inputs[1]),
+                  s = mx::array::unsafe_weak_copy(inputs[2]),
+                  b = mx::array::unsafe_weak_copy(inputs[3]),
+                  out = mx::array::unsafe_weak_copy(out), group = group_,
+                  bits = bits_]() mutable { compute(x, w, s, b, out, group, bits); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("afm qmm: this primitive runs on the CPU only");
+  }
+
+  const char* name() const override { return "AfmQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_, bits_;
+};
+
+mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("afm qmm: bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("afm qmm: group_size must be 32, 64 or 128");
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("afm qmm: w must be a 2-D uint32 array");
+  }
+  const int K = w.shape(1) * 32 / bits;
+  const int N = w.shape(0);
+  if (x_in.ndim() < 1 || x_in.shape(-1) != K) {
+    throw std::invalid_argument("afm qmm: x's last dimension does not match w");
+  }
+  const mx::Shape sshape = {N, K / group_size};
+  if (scales.shape() != sshape || biases.shape() != sshape ||
+      scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument("afm qmm: scales and biases must both be (N, K / group_size)");
+  }
+  (void)scale_type(scales.dtype());
+  const mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("afm qmm: the default device must be the CPU");
+  }
+  const mx::Dtype out_type = x_in.dtype();
+  if (!mx::issubdtype(out_type, mx::floating)) {
+    throw std::invalid_argument("afm qmm: x must be a floating point array");
+  }
+  mx::array x = out_type == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  mx::array y(std::move(shape), mx::float32,
+              std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits),
+              {x, w, scales, biases});
+  return out_type == mx::float32 ? y : mx::astype(y, out_type, stream);
+}
+
+}  // namespace
+}  // namespace afm_qmm
+
+NB_MODULE(_qmm_ext, m) {
+  nb::module_::import_("mlx.core");
+  m.doc() = "x @ dequantize(w).T on the CPU for MLX's affine quantized layout";
+  m.def("quantized_matmul", &afm_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x @ dequantize(w, scales, biases).T, float32 accumulation, activations quantized "
+        "to int8 per block of 32");
+  m.def("isa", [] { return std::string(afm_qmm::kernels().name); },
+        "The instruction set of the kernels in use.");
+  m.def("available_isas", [] {
+    const afm_qmm::KernelSet* sets[8];
+    const int n = afm_qmm::available_kernels(sets, 8);
+    std::vector<std::string> names;
+    for (int i = 0; i < n; ++i) names.emplace_back(sets[i]->name);
+    return names;
+  }, "Instruction sets this CPU runs, best last.");
+  m.def("set_isa", [](const std::string& name) {
+    const afm_qmm::KernelSet* sets[8];
+    const int n = afm_qmm::available_kernels(sets, 8);
+    for (int i = 0; i < n; ++i) {
+      if (name == sets[i]->name) {
+        afm_qmm::g_kernels.store(sets[i]);
+        return true;
+      }
+    }
+    return false;
+  }, "name"_a, "Use the kernels of this instruction set (for tests); False if unavailable.");
+  m.def("num_threads", [] { return afm_qmm::pool().size(); },
+        "Threads of the pool (AFM_QMM_THREADS, default: the CPUs).");
+  m.def("set_thread_limit", [](int n) { afm_qmm::g_thread_limit.store(n); }, "n"_a,
+        "Use at most n threads per product (0: all of the pool).");
+}

@@ -1,0 +1,291 @@
+// Kernels for afm_core._qmm_ext: activation quantization, and one integer
+// gemv/gemm per instruction set (portable scalar; AVX2 and AVX-512 VNNI on
+// x86-64, chosen at run time; NEON on arm64).  See qmm_kernels.h.
+#include "qmm_kernels.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define QMM_X86 1
+#include <immintrin.h>
+#else
+#define QMM_X86 0
+#endif
+#if defined(__aarch64__)
+#define QMM_NEON 1
+#include <arm_neon.h>
+#else
+#define QMM_NEON 0
+#endif
+
+namespace afm_qmm {
+namespace {
+
+float* thread_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void convert_row(const void* src, ScaleType t, size_t start, int n, float* dst) {
+  if (t == ScaleType::f32) {
+    std::memcpy(dst, static_cast<const float*>(src) + start, sizeof(float) * n);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + start;
+    if (t == ScaleType::f16) {
+      for (int i = 0; i < n; ++i) dst[i] = half_to_float(p[i]);
+    } else {
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(p[i]);
+    }
+  }
+}
+
+inline void load_row_scales(const QWeights& wt, int n, int ng, float* s, float* b) {
+  const size_t start = static_cast<size_t>(n) * ng;
+  convert_row(wt.scales, wt.scale_type, start, ng, s);
+  convert_row(wt.biases, wt.scale_type, start, ng, b);
+}
+
+// ---------------------------------------------------------------- scalar
+namespace scalar {
+
+static constexpr float kOffset8 = 0.0f;
+
+template <int BITS, int R>
+static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
+                           const int8_t* const* xq, const float* const* xd, float* res) {
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int blk = 0; blk < nb; ++blk) {
+    int32_t sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = 0;
+    if constexpr (BITS == 4) {
+      const uint8_t* p = w + blk * 16;
+      for (int i = 0; i < 16; ++i) {
+        const int lo = p[i] & 0x0F, hi = p[i] >> 4;
+        for (int r = 0; r < R; ++r) {
+          sum[r] += lo * xq[r][blk * 32 + i] + hi * xq[r][blk * 32 + 16 + i];
+        }
+      }
+    } else {
+      const uint8_t* p = w + blk * 32;
+      for (int i = 0; i < 32; ++i) {
+        for (int r = 0; r < R; ++r) sum[r] += p[i] * xq[r][blk * 32 + i];
+      }
+    }
+    const float sc = s[blk >> shift];
+    for (int r = 0; r < R; ++r) acc[r] += static_cast<float>(sum[r]) * (xd[r][blk] * sc);
+  }
+  for (int r = 0; r < R; ++r) res[r] = acc[r];
+}
+
+#include "qmm_range.inc"
+
+}  // namespace scalar
+
+// ---------------------------------------------------------------- NEON
+#if QMM_NEON
+namespace neon {
+
+static constexpr float kOffset8 = 128.0f;
+
+static inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  const int16x8_t lo = vmull_s8(vget_low_s8(a), vget_low_s8(b));
+  const int16x8_t hi = vmull_high_s8(a, b);
+  return vpadalq_s16(vpadalq_s16(acc, lo), hi);
+#endif
+}
+
+template <int BITS, int R>
+static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
+                           const int8_t* const* xq, const float* const* xd, float* res) {
+  float32x4_t acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
+  for (int blk = 0; blk < nb; ++blk) {
+    int8x16_t w0, w1;
+    if constexpr (BITS == 4) {
+      const uint8x16_t raw = vld1q_u8(w + blk * 16);
+      w0 = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
+      w1 = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+    } else {
+      const uint8x16_t off = vdupq_n_u8(0x80);
+      w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + blk * 32), off));
+      w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + blk * 32 + 16), off));
+    }
+    const float sc = s[blk >> shift];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq[r] + blk * 32;
+      int32x4_t i = dot16(vdupq_n_s32(0), w0, vld1q_s8(x));
+      i = dot16(i, w1, vld1q_s8(x + 16));
+      acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(i), xd[r][blk] * sc);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = vaddvq_f32(acc[r]);
+}
+
+#include "qmm_range.inc"
+
+}  // namespace neon
+#endif
+
+// ---------------------------------------------------------------- x86-64
+#if QMM_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#define QMM_VNNI 0
+#include "qmm_x86.inc"
+#undef QMM_VNNI
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#endif
+namespace vnni {
+#define QMM_VNNI 1
+#include "qmm_x86.inc"
+#undef QMM_VNNI
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+struct Available {
+  KernelSet sets[4];
+  int count = 0;
+  Available() {
+    sets[count++] = {scalar::range, "scalar"};
+#if QMM_NEON
+    sets[count++] = {neon::range, "neon"};
+#endif
+#if QMM_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      sets[count++] = {avx2::range, "avx2"};
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
+        sets[count++] = {vnni::range, "avx2-vnni"};
+      }
+    }
+#endif
+  }
+};
+
+const Available& available() {
+  static const Available a;
+  return a;
+}
+
+}  // namespace
+
+void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
+                   int K, int group, int bits, int8_t* q, float* d, float* xsum,
+                   int m0, int m1) {
+  const int nb = K / 32, ng = K / group, bpg = group / 32;
+  for (int m = m0; m < m1; ++m) {
+    const float* xr = x + row_offsets[m];
+    int8_t* qr = q + static_cast<size_t>(m) * K;
+    float* dr = d + static_cast<size_t>(m) * nb;
+    float* sr = xsum + static_cast<size_t>(m) * ng;
+    for (int g = 0; g < ng; ++g) sr[g] = 0.0f;
+    for (int blk = 0; blk < nb; ++blk) {
+      float t[32];
+      if (kstride == 1) {
+        std::memcpy(t, xr + blk * 32, sizeof t);
+      } else {
+        for (int i = 0; i < 32; ++i) t[i] = xr[(static_cast<int64_t>(blk) * 32 + i) * kstride];
+      }
+      float amax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::fmax(amax, std::fabs(t[i]));
+        sum += t[i];
+      }
+      sr[blk / bpg] += sum;
+      const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
+      dr[blk] = amax > 1e-30f ? amax / 127.0f : 0.0f;
+      int8_t v[32];
+      for (int i = 0; i < 32; ++i) {
+        const float u = t[i] * inv;
+        v[i] = static_cast<int8_t>(static_cast<int>(u + (u >= 0.0f ? 0.5f : -0.5f)));
+      }
+      int8_t* qb = qr + blk * 32;
+      if (bits == 4) {  // evens, then odds (the two nibbles of each weight byte)
+        for (int i = 0; i < 16; ++i) {
+          qb[i] = v[2 * i];
+          qb[16 + i] = v[2 * i + 1];
+        }
+      } else {
+        std::memcpy(qb, v, 32);
+      }
+    }
+  }
+}
+
+int available_kernels(const KernelSet** out, int max) {
+  const Available& a = available();
+  int n = 0;
+  for (int i = 0; i < a.count && n < max; ++i) out[n++] = &a.sets[i];
+  return n;
+}
+
+const KernelSet& select_kernels() {
+  static const KernelSet* chosen = [] {
+    const Available& a = available();
+    const KernelSet* best = &a.sets[a.count - 1];
+    if (const char* want = std::getenv("AFM_QMM_ISA"); want != nullptr && *want) {
+      for (int i = 0; i < a.count; ++i) {
+        if (std::strcmp(a.sets[i].name, want) == 0) best = &a.sets[i];
+      }
+    }
+    return best;
+  }();
+  return *chosen;
+}
+
+}  // namespace afm_qmm

@@ -1,0 +1,58 @@
+// Quantized matrix products for MLX's affine layout on the CPU (afm_core._qmm_ext).
+//
+// Weights: MLX's affine group quantization, row-major (N, K): each uint32 word
+// packs 32/bits values, lowest bits first; value w = scale * q + bias per group
+// of `group` values along K.  Activations are float32 and get quantized per
+// block of 32 values to int8 (x ~= d * qx, |qx| <= 127), as llama.cpp does, so
+// the inner products run on 8-bit integers; the bias term uses the exact float
+// sum of x over each group.
+//
+//   y[m, n] = sum_g s[n,g] * sum_{b in g} d[m,b] * (q[n,b] . qx[m,b])
+//           + sum_g bias[n,g] * X[m,g]          X[m,g] = sum of x over group g
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace afm_qmm {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// Activations quantized by quantize_rows().
+struct QActs {
+  const int8_t* q = nullptr;  // [M][K]; for 4 bits each block of 32 holds
+                              // its even elements, then its odd ones
+  const float* d = nullptr;   // [M][K/32] block scales
+  const float* xsum = nullptr;  // [M][K/group] exact sums of x per group
+  int M = 0, K = 0;
+};
+
+struct QWeights {
+  const uint8_t* w = nullptr;  // [N][K*bits/8]
+  const void* scales = nullptr;  // [N][K/group], of scale_type
+  const void* biases = nullptr;
+  ScaleType scale_type = ScaleType::f32;
+  int N = 0, K = 0, group = 32, bits = 4;
+};
+
+// Quantize rows [m0, m1) of x (row m at x + row_offset(m), elements `kstride`
+// apart) into the buffers of `a` (which the caller owns and sized).
+void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
+                   int K, int group, int bits, int8_t* q, float* d, float* xsum,
+                   int m0, int m1);
+
+// out[m * N + n] for n in [n0, n1), every m.
+using RangeKernel = void (*)(const QActs&, const QWeights&, float* out, int n0, int n1);
+
+struct KernelSet {
+  RangeKernel range;
+  const char* name;
+};
+
+// The best kernel set this CPU runs, or the one named by AFM_QMM_ISA
+// (scalar, avx2, avx2-vnni, neon) if this CPU runs it.
+const KernelSet& select_kernels();
+// Every kernel set this CPU can run (for tests), best last.
+int available_kernels(const KernelSet** out, int max);
+
+}  // namespace afm_qmm
