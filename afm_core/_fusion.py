@@ -213,7 +213,9 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
         # beside the module's dict, so the kernels never count as parameters
         object.__setattr__(layer, "_kernels", kernels)
         changed += 1
-    return changed
+    from ._qmatmul import use_fast_qmm  # quantized layers: afm_core._qmm_ext's products
+
+    return changed + use_fast_qmm(model)
 
 
 def fuse_for_cpu(model: nn.Module) -> int:
@@ -240,4 +242,6 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
             continue
         layer.__class__ = layer.__class__.__mro__[1]
         changed += 1
-    return changed
+    from ._qmatmul import restore_qmm
+
+    return changed + restore_qmm(model)

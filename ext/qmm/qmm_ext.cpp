@@ -18,6 +18,7 @@
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
 #include <pthread.h>
 #endif
 #if defined(__x86_64__)
@@ -161,6 +162,55 @@ const KernelSet& kernels() {
   return k != nullptr ? *k : select_kernels();
 }
 
+// The process's cblas_sgemm (the OpenBLAS afm_core._blas binds under MLX,
+// which it loads into the global scope), for products of many rows.
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+Sgemm find_sgemm() {
+#if defined(__unix__) || defined(__APPLE__)
+  static Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+#else
+  return nullptr;
+#endif
+}
+std::atomic<int> g_gemm_rows{-1};  // rows from which to use sgemm; -1: AFM_QMM_GEMM_ROWS
+
+int gemm_rows() {
+  int v = g_gemm_rows.load();
+  if (v < 0) {
+    v = env_int("AFM_QMM_GEMM_ROWS", 32);
+    g_gemm_rows.store(v);
+  }
+  return v;
+}
+
+// y (M x N) = x (M x K, rows at offsets) @ dequantize(w).T through sgemm, one
+// tile of output rows at a time.
+void gemm_path(Sgemm sgemm, const float* x, const int64_t* offs, int64_t ks, int M,
+               const QWeights& wt, float* y) {
+  const int K = wt.K, N = wt.N;
+  thread_local std::vector<float> xc, tile;
+  const float* xa = x;
+  bool dense = ks == 1;
+  for (int m = 0; dense && m < M; ++m) dense = offs[m] == static_cast<int64_t>(m) * K;
+  if (!dense) {
+    xc.resize(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m) {
+      for (int k = 0; k < K; ++k) xc[static_cast<size_t>(m) * K + k] = x[offs[m] + k * ks];
+    }
+    xa = xc.data();
+  }
+  const int tile_rows = std::max(16, std::min(N, (1 << 20) / std::max(K, 1)));  // ~4 MB
+  tile.resize(static_cast<size_t>(tile_rows) * K);
+  for (int n0 = 0; n0 < N; n0 += tile_rows) {
+    const int n1 = std::min(N, n0 + tile_rows);
+    dequantize_rows(wt, n0, n1, tile.data());
+    // row-major, x not transposed, tile transposed
+    sgemm(101, 111, 112, M, n1 - n0, K, 1.0f, xa, K, tile.data(), K, 0.0f, y + n0, N);
+  }
+}
+
 template <typename T>
 const T* contiguous_2d(const mx::array& a, std::vector<T>& copy) {
   if (a.flags().row_contiguous) return a.data<T>();
@@ -243,6 +293,10 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   float* sp = xsum.data();
   const float* xp = x.data<float>();
   const int64_t ks = x.strides(-1);
+  if (Sgemm sgemm = find_sgemm(); sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows()) {
+    gemm_path(sgemm, xp, offs, ks, M, wt, y);
+    return;
+  }
   const KernelSet& ks_set = kernels();
   Pool& p = pool();
   int threads = p.size();
@@ -387,6 +441,10 @@ NB_MODULE(_qmm_ext, m) {
     }
     return false;
   }, "name"_a, "Use the kernels of this instruction set (for tests); False if unavailable.");
+  m.def("has_sgemm", [] { return afm_qmm::find_sgemm() != nullptr; },
+        "Whether products of many rows can go to the process's cblas_sgemm.");
+  m.def("set_gemm_rows", [](int n) { afm_qmm::g_gemm_rows.store(n); }, "n"_a,
+        "Rows from which products go through sgemm (0: never; default AFM_QMM_GEMM_ROWS or 32).");
   m.def("num_threads", [] { return afm_qmm::pool().size(); },
         "Threads of the pool (AFM_QMM_THREADS, default: the CPUs).");
   m.def("set_thread_limit", [](int n) { afm_qmm::g_thread_limit.store(n); }, "n"_a,

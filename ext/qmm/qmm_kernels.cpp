@@ -267,6 +267,32 @@ void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
   }
 }
 
+void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
+  const int K = wt.K, ng = K / wt.group, per = 8 / wt.bits;  // values per byte
+  const size_t row_bytes = static_cast<size_t>(K) * wt.bits / 8;
+  float* s = thread_scratch(2 * static_cast<size_t>(ng));
+  float* b = s + ng;
+  for (int n = n0; n < n1; ++n) {
+    load_row_scales(wt, n, ng, s, b);
+    const uint8_t* w = wt.w + static_cast<size_t>(n) * row_bytes;
+    float* out = dst + static_cast<size_t>(n - n0) * K;
+    for (int g = 0; g < ng; ++g) {
+      const float sc = s[g], bi = b[g];
+      const int k0 = g * wt.group;
+      if (per == 2) {
+        const uint8_t* p = w + k0 / 2;
+        for (int i = 0; i < wt.group / 2; ++i) {
+          out[k0 + 2 * i] = sc * static_cast<float>(p[i] & 0x0F) + bi;
+          out[k0 + 2 * i + 1] = sc * static_cast<float>(p[i] >> 4) + bi;
+        }
+      } else {
+        const uint8_t* p = w + k0;
+        for (int i = 0; i < wt.group; ++i) out[k0 + i] = sc * static_cast<float>(p[i]) + bi;
+      }
+    }
+  }
+}
+
 int available_kernels(const KernelSet** out, int max) {
   const Available& a = available();
   int n = 0;

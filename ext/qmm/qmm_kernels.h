@@ -41,6 +41,9 @@ void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
                    int K, int group, int bits, int8_t* q, float* d, float* xsum,
                    int m0, int m1);
 
+// Rows [n0, n1) of the weight as float32 into dst ((n1 - n0) x K).
+void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst);
+
 // out[m * N + n] for n in [n0, n1), every m.
 using RangeKernel = void (*)(const QActs&, const QWeights&, float* out, int n0, int n1);
 
