@@ -10,6 +10,10 @@ prefill_tok_s          tok/s   prompt tokens actually computed (cache misses)
 decode_tok_s           tok/s   (completion tokens - 1) / time from first to
                                last token
 ttft_s                 s       submission to first generated token
+queue_s                s       submission to admission by the generation
+                               thread (template, tokenization, waiting for
+                               the step in progress); ttft_s - queue_s is
+                               prefill and the first decode step
 prompt_tokens,         tokens  as in usage
 completion_tokens,
 cached_tokens
@@ -150,6 +154,7 @@ class ProfileRecorder:
             "prefill_tok_s": _r(computed / prefill_s, 2),
             "decode_tok_s": _r(decode_rate, 2),
             "ttft_s": _r(t_first - self.t_submit, 4),
+            "queue_s": _r(t_admit - self.t_submit, 4),
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "completion_tokens": completion_tokens,

@@ -263,6 +263,7 @@ async def test_profiles(echo_model_dir: Path) -> None:
                     "memory_peak_gib", "chip"):
             assert key in p
         assert p["decode_tok_s"] > 0
+        assert 0 <= p["queue_s"] <= p["ttft_s"]
         assert not any(k.startswith("gpu") for k in p)
         # the BLAS under MLX, as the generation thread confirmed it at start
         assert p["blas"] == engine.statistics().blas == blas_info().name
