@@ -10,6 +10,7 @@ processes started here are ever signalled.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -68,22 +69,112 @@ def ours_spec(model_dir: str | Path, port: int, *, max_batch: int | None = None,
     return ServerSpec("ours", argv + extra, model_field=None)
 
 
+#: The line the peer's launcher prints with its BLAS (``BLAS_MARK {json}``).
+BLAS_MARK = "afm-bench-blas:"
+
+# Runs ``mlx_lm.server`` as ``python -m`` would, after binding MLX's products to
+# the same BLAS as afm (``afm_core._blas``, before anything imports mlx.core),
+# and prints which BLAS that is.  Without ``afm_core._blas`` it runs the server
+# unchanged (MLX's own BLAS).
+_PEER_LAUNCHER = f"""\
+import json, runpy, sys
+try:
+    import afm_core._blas as b
+except ImportError:
+    info = {{"name": "reference", "reason": "afm_core._blas not available"}}
+else:
+    b.ensure_loaded()
+    info = b.confirm().as_dict()
+print({BLAS_MARK!r}, json.dumps(info), flush=True)
+sys.argv = ["mlx_lm.server", *sys.argv[1:]]
+runpy.run_module("mlx_lm.server", run_name="__main__", alter_sys=True)
+"""
+
+
 def peer_spec(model_dir: str | Path, port: int, *, decode_concurrency: int | None = None,
               extra: tuple[str, ...] = ()) -> ServerSpec:
-    """``python -m mlx_lm.server`` on the same model; its ``model`` field must
-    be omitted or equal the local path, so we omit it."""
-    argv: tuple[str, ...] = (sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+    """``mlx_lm.server`` on the same model (through a launcher that gives it
+    afm's BLAS; see ``_PEER_LAUNCHER``); its ``model`` field must be omitted
+    or equal the local path, so we omit it."""
+    argv: tuple[str, ...] = (sys.executable, "-c", _PEER_LAUNCHER, "--model", str(model_dir),
                              "--host", HOST, "--port", str(port), "--log-level", "WARNING")
     if decode_concurrency is not None:
         argv += ("--decode-concurrency", str(decode_concurrency))
     return ServerSpec("mlx_lm.server", argv + extra, model_field=None)
 
 
+LLAMACPP = "llama.cpp"
+LLAMACPP_PACKAGE = "llama-cpp-python[server]==0.3.36"
+
+
+def llamacpp_unavailable() -> str | None:
+    """Why ``llama_cpp.server`` cannot run here, or None when it can."""
+    hint = (f"install it with: pip install '{LLAMACPP_PACKAGE}' (or the extra "
+            "'afm[bench-llamacpp]'; it compiles llama.cpp, several minutes)")
+    try:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return f"llama-cpp-python is not installed; {hint}"
+        missing = [m for m in ("fastapi", "uvicorn", "sse_starlette", "pydantic_settings",
+                               "starlette_context") if importlib.util.find_spec(m) is None]
+    except (ImportError, ValueError) as exc:
+        return f"llama-cpp-python cannot be imported ({exc}); {hint}"
+    if missing:
+        return f"llama-cpp-python's server extra is missing ({', '.join(missing)}); {hint}"
+    return None
+
+
+def llamacpp_spec(gguf: str | Path, port: int, *, threads: int = 2, n_ctx: int = 2048,
+                  extra: tuple[str, ...] = ()) -> ServerSpec:
+    """``python -m llama_cpp.server`` on a GGUF file.
+
+    It serves one request at a time (a lock around its one ``Llama``; 0.3.36
+    has no parallel-slots setting).  By default (``interrupt_requests``) a
+    streamed answer is cut short with ``[DONE]`` as soon as another request
+    waits, so it is turned off: concurrent requests queue and each runs to
+    its end.  ``/v1/models`` is its health check (it has no ``/health``).
+    """
+    argv: tuple[str, ...] = (
+        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST,
+        "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+        "--n_ctx", str(n_ctx), "--interrupt_requests", "False", "--verbose", "False")
+    return ServerSpec(LLAMACPP, argv + extra, model_field=None, health_path="/v1/models")
+
+
+def peak_rss_bytes(pid: int) -> dict[str, int] | None:
+    """``VmHWM`` (peak resident set) and ``VmRSS`` of a live process, in bytes
+    (Linux ``/proc``); None when they cannot be read."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            parts = value.split()
+            if parts and parts[0].isdigit():
+                out["peak" if key == "VmHWM" else "current"] = int(parts[0]) * 1024
+    return out if "peak" in out else None
+
+
+def blas_from_log(log_path: Path) -> dict[str, object] | None:
+    """The BLAS the peer's launcher printed into its log, if it did."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                if line.startswith(BLAS_MARK):
+                    value = json.loads(line[len(BLAS_MARK):])
+                    return value if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 # ASYNC109: the deadline is part of the poll, not a cancel scope: on expiry the
 # caller gets a ServerStartError carrying the server's log tail.
 async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], *, timeout: float,  # noqa: ASYNC109
-                       log_path: Path) -> None:
-    """Poll ``/health`` until 200, the process exits, or ``timeout``."""
+                       log_path: Path, path: str = "/health") -> None:
+    """Poll ``path`` (``/health``) until 200, the process exits, or ``timeout``."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
         while True:
@@ -91,7 +182,7 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], *, timeout:
                 raise ServerStartError(
                     f"server exited with {proc.returncode}; log tail:\n{_tail(log_path)}")
             try:
-                resp = await client.get(base_url + "/health")
+                resp = await client.get(base_url + path)
                 if resp.status_code == 200:
                     return
             except httpx.HTTPError:
@@ -118,10 +209,27 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> int:
     return int(proc.returncode)
 
 
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A started server: where it listens, its process id and its log."""
+
+    base_url: str
+    pid: int
+    log_path: Path
+
+
 @asynccontextmanager
 async def serving(spec: ServerSpec, port: int, log_dir: Path, *,
                   startup_timeout: float = 180.0) -> AsyncIterator[str]:
     """Run ``spec`` for the duration of the block; yields its base URL."""
+    async with serving_process(spec, port, log_dir, startup_timeout=startup_timeout) as running:
+        yield running.base_url
+
+
+@asynccontextmanager
+async def serving_process(spec: ServerSpec, port: int, log_dir: Path, *,
+                          startup_timeout: float = 180.0) -> AsyncIterator[Running]:
+    """``serving``, yielding the process id and log path besides the URL."""
     # ASYNC220/230/240: the launch stays synchronous on purpose.  It runs once, before
     # any load, and blocks only for a moment; and with no checkpoint between starting
     # the child and the try/finally below, a cancellation cannot leak the process.
@@ -134,8 +242,9 @@ async def serving(spec: ServerSpec, port: int, log_dir: Path, *,
                                 stdin=subprocess.DEVNULL, env=env)
     base_url = f"http://{HOST}:{port}"
     try:
-        await wait_healthy(base_url, proc, timeout=startup_timeout, log_path=log_path)
-        yield base_url
+        await wait_healthy(base_url, proc, timeout=startup_timeout, log_path=log_path,
+                           path=spec.health_path)
+        yield Running(base_url, proc.pid, log_path)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(stop, proc)
