@@ -242,7 +242,15 @@ def plot_real(report: dict[str, Any], path: Path) -> Path:
     targets = list(report["targets"])
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    for ax, (key, title, spec, better_high) in zip(axes.flat, HEADLINE, strict=True):
+    prompt = next((ph.get("prompt_tokens_mean") for ph in report["phases"]
+                   if ph["name"] == "ttft"), None)
+    titles = {"decode_tok_s": "single-stream decode tokens/s",
+              "batch_tok_s": "aggregate tokens/s, 8 streams",
+              "ttft_p50_ms": "TTFT p50 (ms), " + (f"{prompt:.0f}-token prompt" if prompt
+                                                  else "long prompt"),
+              "peak_rss_mib": "peak RSS of the process (MiB)"}
+    for ax, (key, _, spec, better_high) in zip(axes.flat, HEADLINE, strict=True):
+        title = titles[key]
         values = [report["headline"].get(t, {}).get(key) for t in targets]
         xs = list(range(len(targets)))
         heights = [0.0 if v is None else float(v) for v in values]
