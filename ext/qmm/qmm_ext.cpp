@@ -174,7 +174,17 @@ Sgemm find_sgemm() {
   return nullptr;
 #endif
 }
-std::atomic<int> g_gemm_rows{-1};  // rows from which to use sgemm; -1: AFM_QMM_GEMM_ROWS
+std::atomic<int> g_gemm_rows{-1};
+std::atomic<int> g_passes{-1};  // activation passes: 1 (int8) or 2 (int8 + remainder)
+
+int act_passes() {
+  int v = g_passes.load();
+  if (v < 0) {
+    v = env_int("AFM_QMM_ACT_BITS", 16) <= 8 ? 1 : 2;
+    g_passes.store(v);
+  }
+  return v;
+}  // rows from which to use sgemm; -1: AFM_QMM_GEMM_ROWS
 
 int gemm_rows() {
   int v = g_gemm_rows.load();
@@ -256,11 +266,13 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
       offsets[m] = off;
     }
   }
+  const int passes = act_passes();
+  const int MQ = M * passes;  // rows of quantized activations
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, xsum;
-  q.resize(static_cast<size_t>(M) * K);
-  d.resize(static_cast<size_t>(M) * nb);
-  xsum.resize(static_cast<size_t>(M) * ng);
+  thread_local std::vector<float> d, xsum, ypair;
+  q.resize(static_cast<size_t>(MQ) * K);
+  d.resize(static_cast<size_t>(MQ) * nb);
+  xsum.resize(static_cast<size_t>(MQ) * ng);
   thread_local std::vector<uint32_t> wcopy;
   thread_local std::vector<uint16_t> scopy16, bcopy16;
   thread_local std::vector<float> scopy32, bcopy32;
@@ -283,7 +295,7 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   a.q = q.data();
   a.d = d.data();
   a.xsum = xsum.data();
-  a.M = M;
+  a.M = MQ;
   a.K = K;
 
   // (the jobs below run on other threads: they must not name the thread_locals)
@@ -298,6 +310,11 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     return;
   }
   const KernelSet& ks_set = kernels();
+  float* const y_out = y;
+  if (passes == 2) {  // products into a (2M x N) buffer, summed in pairs below
+    ypair.resize(static_cast<size_t>(MQ) * N);
+    y = ypair.data();
+  }
   Pool& p = pool();
   int threads = p.size();
   const int limit = g_thread_limit.load();
@@ -307,23 +324,22 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   if (threads > N) threads = N;
 
   if (threads == 1 || M < 16 * threads) {
-    quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp, 0, M);
+    quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp, 0, M);
   } else {
     const std::function<void(int)> quant = [&](int i) {
-      quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp,
+      quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
                     static_cast<int>(static_cast<int64_t>(M) * i / threads),
                     static_cast<int>(static_cast<int64_t>(M) * (i + 1) / threads));
     };
     if (!p.run(threads, quant)) {  // pool busy (another stream): serial
       threads = 1;
-      quantize_rows(xp, offs, ks, K, group, bits, qp, dp, sp,
+      quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
                     0, M);
     }
   }
   if (threads == 1) {
     ks_set.range(a, wt, y, 0, N);
-    return;
-  }
+  } else {
   const std::function<void(int)> job = [&](int i) {
     // split on multiples of 8 output rows
     const int units = (N + 7) / 8;
@@ -332,6 +348,15 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     if (n0 < n1) ks_set.range(a, wt, y, n0, n1);
   };
   if (!p.run(threads, job)) ks_set.range(a, wt, y, 0, N);
+  }
+  if (passes == 2) {
+    for (int m = 0; m < M; ++m) {
+      const float* r0 = y + static_cast<size_t>(2 * m) * N;
+      const float* r1 = r0 + N;
+      float* o = y_out + static_cast<size_t>(m) * N;
+      for (int n = 0; n < N; ++n) o[n] = r0[n] + r1[n];
+    }
+  }
 }
 
 class AfmQuantizedMatmul : public mx::Primitive {
@@ -445,6 +470,9 @@ NB_MODULE(_qmm_ext, m) {
         "Whether products of many rows can go to the process's cblas_sgemm.");
   m.def("set_gemm_rows", [](int n) { afm_qmm::g_gemm_rows.store(n); }, "n"_a,
         "Rows from which products go through sgemm (0: never; default AFM_QMM_GEMM_ROWS or 32).");
+  m.def("set_activation_bits", [](int bits) { afm_qmm::g_passes.store(bits <= 8 ? 1 : 2); },
+        "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): int8 plus "
+        "an int8 remainder, two integer products.");
   m.def("num_threads", [] { return afm_qmm::pool().size(); },
         "Threads of the pool (AFM_QMM_THREADS, default: the CPUs).");
   m.def("set_thread_limit", [](int n) { afm_qmm::g_thread_limit.store(n); }, "n"_a,

@@ -224,45 +224,51 @@ const Available& available() {
 
 }  // namespace
 
+static void quantize_block(const float* t, int bits, int8_t* qb, float* d, float* rest) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(t[i]));
+  const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
+  const float scale = amax > 1e-30f ? amax / 127.0f : 0.0f;
+  *d = scale;
+  int8_t v[32];
+  for (int i = 0; i < 32; ++i) {
+    const float u = t[i] * inv;
+    v[i] = static_cast<int8_t>(static_cast<int>(u + (u >= 0.0f ? 0.5f : -0.5f)));
+    if (rest != nullptr) rest[i] = t[i] - scale * static_cast<float>(v[i]);
+  }
+  if (bits == 4) {  // evens, then odds (the two nibbles of each weight byte)
+    for (int i = 0; i < 16; ++i) {
+      qb[i] = v[2 * i];
+      qb[16 + i] = v[2 * i + 1];
+    }
+  } else {
+    std::memcpy(qb, v, 32);
+  }
+}
+
 void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
-                   int K, int group, int bits, int8_t* q, float* d, float* xsum,
+                   int K, int group, int bits, int passes, int8_t* q, float* d, float* xsum,
                    int m0, int m1) {
   const int nb = K / 32, ng = K / group, bpg = group / 32;
   for (int m = m0; m < m1; ++m) {
     const float* xr = x + row_offsets[m];
-    int8_t* qr = q + static_cast<size_t>(m) * K;
-    float* dr = d + static_cast<size_t>(m) * nb;
-    float* sr = xsum + static_cast<size_t>(m) * ng;
-    for (int g = 0; g < ng; ++g) sr[g] = 0.0f;
+    const size_t row = static_cast<size_t>(m) * passes;
+    int8_t* qr = q + row * K;
+    float* dr = d + row * nb;
+    float* sr = xsum + row * ng;
+    for (int g = 0; g < ng * passes; ++g) sr[g] = 0.0f;  // the remainder's sums stay 0
     for (int blk = 0; blk < nb; ++blk) {
-      float t[32];
+      float t[32], rest[32];
       if (kstride == 1) {
         std::memcpy(t, xr + blk * 32, sizeof t);
       } else {
         for (int i = 0; i < 32; ++i) t[i] = xr[(static_cast<int64_t>(blk) * 32 + i) * kstride];
       }
-      float amax = 0.0f, sum = 0.0f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::fmax(amax, std::fabs(t[i]));
-        sum += t[i];
-      }
+      float sum = 0.0f;
+      for (int i = 0; i < 32; ++i) sum += t[i];
       sr[blk / bpg] += sum;
-      const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
-      dr[blk] = amax > 1e-30f ? amax / 127.0f : 0.0f;
-      int8_t v[32];
-      for (int i = 0; i < 32; ++i) {
-        const float u = t[i] * inv;
-        v[i] = static_cast<int8_t>(static_cast<int>(u + (u >= 0.0f ? 0.5f : -0.5f)));
-      }
-      int8_t* qb = qr + blk * 32;
-      if (bits == 4) {  // evens, then odds (the two nibbles of each weight byte)
-        for (int i = 0; i < 16; ++i) {
-          qb[i] = v[2 * i];
-          qb[16 + i] = v[2 * i + 1];
-        }
-      } else {
-        std::memcpy(qb, v, 32);
-      }
+      quantize_block(t, bits, qr + blk * 32, dr + blk, passes == 2 ? rest : nullptr);
+      if (passes == 2) quantize_block(rest, bits, qr + K + blk * 32, dr + nb + blk, nullptr);
     }
   }
 }

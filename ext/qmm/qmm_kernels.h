@@ -36,9 +36,12 @@ struct QWeights {
 };
 
 // Quantize rows [m0, m1) of x (row m at x + row_offset(m), elements `kstride`
-// apart) into the buffers of `a` (which the caller owns and sized).
+// apart) into the buffers of `a` (which the caller owns and sized).  With
+// passes == 2, row m becomes rows 2m (x ~= d q) and 2m + 1 (the remainder
+// x - d q, quantized the same way, its group sums zero): summing the two
+// products gives activations ~16-bit precise for twice the integer work.
 void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
-                   int K, int group, int bits, int8_t* q, float* d, float* xsum,
+                   int K, int group, int bits, int passes, int8_t* q, float* d, float* xsum,
                    int m0, int m1);
 
 // Rows [n0, n1) of the weight as float32 into dst ((n1 - n0) x K).
