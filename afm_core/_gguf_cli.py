@@ -23,6 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         help="float type of weights, norms and scales (default: float32, fastest on CPU)",
     )
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="write every linear and embedding weight MLX-quantized at 4 or 8 bits, group 32 "
+        "(float tensors quantized, Q4/Q8 ones requantized)",
+    )
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
 
 
@@ -42,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             overwrite=args.force,
             progress=say,
+            quantize=args.quantize,
         )
     except AFMError as exc:
         print(f"afm convert-gguf: error: {exc.message}", file=sys.stderr)

@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import afm_core  # noqa: F401  (binds OpenBLAS under MLX before mlx computes)
 import mlx.core as mx
 import mlx.nn as nn
+
+import afm_core  # noqa: F401  (binds OpenBLAS under MLX before mlx computes)
 from afm_core import _qmatmul
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
@@ -67,8 +68,8 @@ def products(rows_list: list[int]) -> None:
             mx.eval(x)
             big = rows * n * k
             reps = 3 if big > 5e8 else 10 if big > 5e7 else 30
-            f32 = _ms(lambda x=x: mx.eval(x @ w.T), reps)
-            f32t = _ms(lambda x=x: mx.eval(x @ wt), reps)
+            f32 = _ms(lambda x=x, w=w: mx.eval(x @ w.T), reps)
+            f32t = _ms(lambda x=x, wt=wt: mx.eval(x @ wt), reps)
             for bits, (q, s, b) in quants.items():
                 def mlx_q(x=x, q=q, s=s, b=b, bits=bits) -> None:
                     mx.eval(mx.quantized_matmul(x, q, s, b, group_size=32, bits=bits))
@@ -144,14 +145,14 @@ def decode(tokens: int, rounds: int) -> None:
         print(f"  {name:8s} {med:7.1f} tok/s  {med / base:5.2f}x float32   "
               f"rounds {' '.join(f'{v:.1f}' for v in values)}")
     print(f"\ngreedy agreement with float32 ({tokens} tokens per prompt)")
-    ref = {p: _greedy(models["float32"], ids, tokens)[0] for p, ids in zip(PROMPTS, prompt_ids)}
+    ref = {p: _greedy(models["float32"], ids, tokens)[0] for p, ids in zip(PROMPTS, prompt_ids, strict=True)}
     for name in models:
         if name == "float32":
             continue
         cells = []
-        for p, ids in zip(PROMPTS, prompt_ids):
+        for p, ids in zip(PROMPTS, prompt_ids, strict=True):
             got = _greedy(models[name], ids, tokens)[0]
-            same = next((i for i, (a, b) in enumerate(zip(got, ref[p])) if a != b), tokens)
+            same = next((i for i, (a, b) in enumerate(zip(got, ref[p], strict=True)) if a != b), tokens)
             cells.append(f"{same}/{tokens}")
         print(f"  {name:8s} identical prefix per prompt: {' '.join(cells)}")
 

@@ -498,12 +498,16 @@ def test_resolve_model_gguf_dir_and_errors(tmp_path: Path, llama_weights: Any, b
     assert any("converting" in line for line in lines)
     cfg = json.loads((out / "config.json").read_text())
     # Auto: dequantized float32 on CPU, quantized on Metal.
-    assert ("quantization" in cfg) == mx.metal.is_available()
+    from afm_core._qmatmul import qmm_available  # afm's CPU kernels keep weights quantized
+
+    assert ("quantization" in cfg) == (mx.metal.is_available() or qmm_available())
     lines.clear()
     assert resolve_model(src, home=home, progress=lines.append) == out  # cached
     assert lines == []
-    q = resolve_model(src, home=home, dequantize=False, progress=lines.append)
-    assert q != out and "quantization" in json.loads((q / "config.json").read_text())
+    auto_quantized = "quantization" in cfg  # the other choice is a separate conversion
+    q = resolve_model(src, home=home, dequantize=auto_quantized, progress=lines.append)
+    assert q != out
+    assert ("quantization" in json.loads((q / "config.json").read_text())) != auto_quantized
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file converts anew
     assert resolve_model(src, home=home, progress=lines.append) not in (out, q)
