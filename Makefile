@@ -9,7 +9,7 @@ ARGS   ?=
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=70" wheel "cython==3.3.1"
+	$(PY) -m pip install -q --upgrade pip "setuptools>=70" wheel "cython==3.3.1" "nanobind==3.1.0"
 	$(PY) -m pip install -q -e '.[http,test,bench]'
 	touch $(STAMP)
 
