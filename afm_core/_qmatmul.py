@@ -33,6 +33,7 @@ calls both.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Protocol, cast
 
@@ -47,6 +48,8 @@ __all__ = [
     "supports",
     "use_fast_qmm",
 ]
+
+log = logging.getLogger("afm.engine")
 
 NO_QMM_ENV = "AFM_NO_QMM"
 
@@ -72,9 +75,15 @@ def _flag(name: str) -> bool:
 def _load() -> _Extension | None:
     if _flag(NO_QMM_ENV) or _flag("AFM_NO_EXTENSIONS"):
         return None
+    import importlib.util
+
+    if importlib.util.find_spec("afm_core._qmm_ext") is None:
+        return None  # not built: MLX's kernel, as documented
     try:
         from . import _qmm_ext  # type: ignore[attr-defined]
-    except ImportError:
+    except ImportError as exc:  # built but broken (stale against mlx, missing libmlx): say so
+        log.warning("afm_core._qmm_ext is built but does not load (%s); quantized products "
+                    "use MLX's kernel (rebuild with `make install`)", exc)
         return None
     return cast(_Extension, _qmm_ext)
 
