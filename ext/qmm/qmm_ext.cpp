@@ -60,12 +60,15 @@ int env_int(const char* name, int fallback) {
   return std::atoi(v);
 }
 
-// Workers spin for a while after a job (decode runs a product every few
-// dozen microseconds), then sleep on a condition variable.
+// Workers sleep on a condition variable between jobs; AFM_QMM_SPIN_US makes
+// them spin that long first.  Default 0: on the default model's decode step
+// (benchmarks/decode_step.py, 2 cores) spinning 300 us made each product
+// faster (10.7 vs 13-15 ms for all of them) but the step slower (29.8 vs
+// 22.5-24.9 ms), the spinning worker taking the core MLX's own thread needs.
 class Pool {
  public:
   explicit Pool(int threads) : size_(threads < 1 ? 1 : threads) {
-    spin_us_ = env_int("AFM_QMM_SPIN_US", 300);
+    spin_us_ = env_int("AFM_QMM_SPIN_US", 0);
     for (int i = 1; i < size_; ++i) std::thread([this, i] { work(i); }).detach();
   }
   int size() const { return size_; }
@@ -120,7 +123,7 @@ class Pool {
   }
 
   const int size_;
-  int spin_us_ = 300;
+  int spin_us_ = 0;
   std::mutex busy_, mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> gen_{0};
