@@ -29,6 +29,7 @@ from afm_core._blas import blas_info
 from afm_core._engine import ChatStream, Engine
 from afm_core._errors import AFMError, RequestError
 from afm_core._events import Finish, StreamError, Usage
+from afm_core._qmatmul import kernel_isa
 from afm_core._request import ChatRequest
 from afm_core._sse import SSEEncoder
 
@@ -241,7 +242,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
         ok = engine.healthy
         return json_response({"status": "ok" if ok else "unavailable", "model": engine.model_id,
                               "running": stats.running, "waiting": stats.waiting,
-                              "blas": blas_info().as_dict()},
+                              "blas": blas_info().as_dict(), "quantized_kernel": kernel_isa()},
                              status=200 if ok else 503)
 
     @app.get("/metrics")

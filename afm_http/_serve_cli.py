@@ -80,6 +80,7 @@ async def _main(args: argparse.Namespace) -> None:
     from afm_core._blas import blas_info
     from afm_core._engine import open_engine
     from afm_core._models import resolve_model
+    from afm_core._qmatmul import kernel_isa
 
     from ._app import ServerConfig
     from ._server import serve_engine
@@ -102,7 +103,8 @@ async def _main(args: argparse.Namespace) -> None:
                 binds = await nursery.start(lambda task_status: serve_engine(
                     engine, host=args.host, port=args.port, server=server,
                     shutdown_trigger=stop.wait, quiet=args.quiet, task_status=task_status))
-                _say(f"BLAS: {blas_info().describe()}")
+                _say(f"BLAS: {blas_info().describe()}; quantized products: "
+                     f"{'afm kernel (' + isa + ')' if (isa := kernel_isa()) else 'MLX kernel'}")
                 auth = ", API key required" if args.api_key else ""
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
                      f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")

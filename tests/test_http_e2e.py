@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from afm_core._blas import blas_info
+from afm_core._qmatmul import kernel_isa
 from afm_http._app import ServerConfig
 from afm_http.testing import running_server
 from tests.http_helpers import CHAT, body, sse, text_of
@@ -181,6 +182,7 @@ async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
     async with running_server(echo_model_dir, server=cfg) as (url, _), httpx.AsyncClient(base_url=url) as c:
         health = await c.get("/health")
         assert health.status_code == 200 and health.json()["blas"] == blas_info().as_dict()
+        assert health.json()["quantized_kernel"] == kernel_isa()  # None: MLX's kernel
         for path in ("/v1/models", "/metrics"):
             r = await c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
