@@ -149,6 +149,7 @@ def test_llamacpp_spec_queues_instead_of_interrupting() -> None:
     argv = list(spec.argv)
     assert argv[1:3] == ["-m", "llama_cpp.server"]
     assert argv[argv.index("--interrupt_requests") + 1] == "False"
+    assert argv[argv.index("--logits_all") + 1] == "False"
     assert argv[argv.index("--n_threads") + 1] == "2"
     assert spec.health_path == "/v1/models" and spec.name == "llama.cpp"
 
@@ -200,7 +201,7 @@ def test_calibration_and_phases() -> None:
 def test_cli_refuses_targets_outside_their_mode(tmp_path: Path) -> None:
     from afm_core._cli import main
 
-    assert main(["bench", "--real-model", "--targets", "raw_kernels", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--real-model", "--rate", "5", "--out", str(tmp_path)]) == 2
     assert main(["bench", "--targets", "llamacpp", "--out", str(tmp_path)]) == 2
 
 

@@ -148,10 +148,10 @@ def run_real_model(args: argparse.Namespace) -> int:
     from afm_core._errors import ModelLoadError
     from afm_core._models import resolve_model
 
-    from ._real import REAL_TARGETS, RealConfig, run_real
+    from ._real import DEFAULT_REAL_TARGETS, REAL_TARGETS, RealConfig, run_real
     from ._real_report import format_real_table, write_real_report
 
-    targets = args.targets if args.targets is not None else REAL_TARGETS
+    targets = args.targets if args.targets is not None else DEFAULT_REAL_TARGETS
     bad = [t for t in targets if t not in REAL_TARGETS]
     if bad or args.url or args.rate:
         print(f"afm bench --real-model: targets are {','.join(REAL_TARGETS)} "

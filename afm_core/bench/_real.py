@@ -37,12 +37,14 @@ import trio
 from . import _loadgen, _servers
 from ._raw import RawRunner
 from ._real_report import LLAMACPP, build_real_report
-from ._report import OURS, PEER, RAW
+from ._report import OURS, PEER, RAW, RAW_KERNELS
 from ._results import RunResult
 from ._workload import Workload, make_workload
 
-REAL_TARGETS = ("raw", "peer", "ours", "llamacpp")
-TARGET_NAMES = {"raw": RAW, "peer": PEER, "ours": OURS, "llamacpp": LLAMACPP}
+REAL_TARGETS = ("raw", "raw_kernels", "peer", "ours", "llamacpp")
+DEFAULT_REAL_TARGETS = ("raw", "peer", "ours", "llamacpp")
+TARGET_NAMES = {"raw": RAW, "raw_kernels": RAW_KERNELS, "peer": PEER, "ours": OURS,
+                "llamacpp": LLAMACPP}
 
 
 @dataclass(slots=True)
@@ -52,7 +54,7 @@ class RealConfig:
     model: str
     gguf: str | None
     out_dir: str
-    targets: tuple[str, ...] = REAL_TARGETS
+    targets: tuple[str, ...] = DEFAULT_REAL_TARGETS
     rounds: int = 2
     decode_tokens: int = 128
     decode_requests: int = 2
@@ -281,10 +283,12 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
 
     async def open_target(key: str, stack: AsyncExitStack) -> tuple[str, Driver] | None:
         name = TARGET_NAMES[key]
-        if key == "raw":
-            runner = RawRunner(cfg.model)
+        if key in ("raw", "raw_kernels"):
+            # raw_kernels: raw with afm's CPU kernels (afm_core._fusion), the same
+            # model computation as afm serve, without its server
+            runner = RawRunner(cfg.model, kernels=key == "raw_kernels", name=name)
             stack.push_async_callback(runner.aclose)
-            _log(f"loading {RAW} (in-process mlx-lm) from {cfg.model}")
+            _log(f"loading {name} (in-process mlx-lm) from {cfg.model}")
             await runner.load()
 
             async def raw_level(ph: Phase, first: int, n: int) -> RunResult:
@@ -362,10 +366,11 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
             sample_rss()
             if PEER in servers:
                 servers[PEER]["blas"] = _servers.blas_from_log(Path(servers[PEER]["log"]))
-            if RAW in servers:
-                from afm_core._blas import blas_info
+            for raw_name in (RAW, RAW_KERNELS):
+                if raw_name in servers:
+                    from afm_core._blas import blas_info
 
-                servers[RAW]["blas"] = blas_info().as_dict()
+                    servers[raw_name]["blas"] = blas_info().as_dict()
             if LLAMACPP in servers:
                 info = await trio.to_thread.run_sync(_llamacpp_system_info)
                 servers[LLAMACPP]["blas"] = _llamacpp_blas(info)
