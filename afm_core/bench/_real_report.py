@@ -21,13 +21,13 @@ figures.  Higher is better for tokens/s, lower for TTFT and RSS.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._report import write_report
 from ._results import RunResult
 from ._stats import ratio
 
@@ -278,9 +278,4 @@ def plot_real(report: dict[str, Any], path: Path) -> Path:
 
 def write_real_report(report: dict[str, Any], out_dir: Path) -> Sequence[Path]:
     """Write ``report.json``, ``report.txt`` and ``report.png`` to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
-    txt_path = out_dir / "report.txt"
-    txt_path.write_text(format_real_table(report) + "\n")
-    return json_path, txt_path, plot_real(report, out_dir / "report.png")
+    return write_report(report, out_dir, table=format_real_table, draw=plot_real)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,12 +244,16 @@ def _nan(x: float | None) -> float:
     return math.nan if x is None else float(x)
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> Sequence[Path]:
-    """Write ``report.json``, ``report.txt`` and ``report.png`` to ``out_dir``."""
+def write_report(report: dict[str, Any], out_dir: Path, *,
+                 table: Callable[[dict[str, Any]], str] | None = None,
+                 draw: Callable[[dict[str, Any], Path], Path] | None = None) -> Sequence[Path]:
+    """Write ``report.json``, ``report.txt`` (``table``, default
+    :func:`format_table`) and ``report.png`` (``draw``, default :func:`plot`)
+    to ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
     txt_path = out_dir / "report.txt"
-    txt_path.write_text(format_table(report) + "\n")
-    png_path = plot(report, out_dir / "report.png")
+    txt_path.write_text((table or format_table)(report) + "\n")
+    png_path = (draw or plot)(report, out_dir / "report.png")
     return json_path, txt_path, png_path
