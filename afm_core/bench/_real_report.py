@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._report import write_report
+from ._report import run_footer, write_report
 from ._results import RunResult
 from ._stats import ratio
 
@@ -206,13 +206,7 @@ def format_real_table(report: dict[str, Any]) -> str:
     lines.append("")
     for ph in report["phases"]:
         lines.append(f"{ph['name']}: {ph.get('title', '')}")
-    for name, why in (report.get("skipped") or {}).items():
-        lines.append(f"skipped {name}: {why}")
-    meta = report.get("meta", {})
-    if "loadavg_start" in meta:
-        lines.append(f"machine: {meta.get('cpu_count')} cpus, load average "
-                     f"{meta['loadavg_start'][0]:.2f} at start, "
-                     f"{meta.get('loadavg_end', [math.nan])[0]:.2f} at end")
+    lines.extend(run_footer(report))
     rounds = (report.get("config") or {}).get("rounds") or 1
     prompt = next((ph.get("prompt_tokens_mean") for ph in report["phases"]
                    if ph["name"] == "ttft"), None)

@@ -147,14 +147,7 @@ def format_table(report: dict[str, Any]) -> str:
                     f"{_fmt(ovp['itl_p50'], '.3f'):>8} {_fmt(ovp['itl_p99'], '.3f'):>7} "
                     f"{_fmt(ovp['e2e_p50'], '.3f'):>8}")
         lines.append("")
-    if report.get("skipped"):
-        for name, why in report["skipped"].items():
-            lines.append(f"skipped {name}: {why}")
-    meta = report.get("meta", {})
-    if "loadavg_start" in meta:
-        lines.append(f"machine: {meta.get('cpu_count')} cpus, load average "
-                     f"{meta['loadavg_start'][0]:.2f} at start, "
-                     f"{meta.get('loadavg_end', [math.nan])[0]:.2f} at end")
+    lines.extend(run_footer(report))
     shares = [s["client_cpu_share"] for e in report["levels"] for s in e["by_target"].values()
               if s.get("client_cpu_share") is not None]
     if shares:
@@ -242,6 +235,17 @@ def _has_positive(ax: Any) -> bool:
 
 def _nan(x: float | None) -> float:
     return math.nan if x is None else float(x)
+
+
+def run_footer(report: dict[str, Any]) -> list[str]:
+    """The skipped targets and the machine's load, for the foot of a table."""
+    lines = [f"skipped {name}: {why}" for name, why in (report.get("skipped") or {}).items()]
+    meta = report.get("meta", {})
+    if "loadavg_start" in meta:
+        lines.append(f"machine: {meta.get('cpu_count')} cpus, load average "
+                     f"{meta['loadavg_start'][0]:.2f} at start, "
+                     f"{meta.get('loadavg_end', [math.nan])[0]:.2f} at end")
+    return lines
 
 
 def write_report(report: dict[str, Any], out_dir: Path, *,
