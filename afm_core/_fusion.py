@@ -35,8 +35,8 @@ weights then stay as they are.  With the reference (netlib) BLAS that the
 Linux wheel ships (``AFM_BLAS=reference``, or no OpenBLAS), loops vectorize
 when the weight is in (input, output) order and not when it is read
 transposed, which is how ``nn.Linear`` and a tied ``Embedding.as_linear``
-compute.  Plain ``nn.Linear`` layers then keep their weight transposed and contiguous (same bytes, so
-the same memory; each dot product sums its terms in the same order, so
+compute.  Plain ``nn.Linear`` layers then keep their weight transposed and
+contiguous (same bytes, so the same memory; each dot product sums its terms in the same order, so
 without a bias the results are the same bits, and with one they differ by a
 rounding, the bias being added at another point), and a tied embedding used
 as the output head gets a transposed copy beside it when that copy is at
@@ -223,8 +223,8 @@ def fuse_for_cpu(model: nn.Module) -> int:
     if not wants_fusion():
         return 0
     changed = fuse_cpu_kernels(model)
-    log.info("CPU backend: %d norm, rotary, linear and head layers run as fused kernels"
-             " or with transposed weights", changed)
+    log.info("CPU backend: %d norm, rotary, linear and head layers run as fused kernels,"
+             " with transposed weights or through afm's quantized products", changed)
     return changed
 
 

@@ -576,3 +576,22 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, llama_weights: Any,
     bad = [*tensors[:-1], ("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32), "F32")]
     with pytest.raises(GGUFError, match="rope_freqs"):
         convert_gguf(gw.write_gguf(tmp_path / "b.gguf", meta, bad), tmp_path / "b")
+
+
+@pytest.mark.parametrize(("bits", "err"), [(8, 0.01), (4, 0.15)])
+def test_convert_with_quantize(tmp_path: Path, llama_weights: Any, bytelevel_tok: Any,
+                               bits: int, err: float) -> None:
+    weights, config = llama_weights
+    src = _write_llama(tmp_path / "m.gguf", weights, config, bytelevel_tok, "F32")
+    out = convert_gguf(src, tmp_path / "out", quantize=bits)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
+    dense = _dense(out)
+    for name, w in weights.items():
+        if w.ndim == 2:  # every linear and embedding weight, within its rounding
+            assert np.abs(dense[name] - w).max() <= err * np.abs(w).max(), name
+    # the quantized model computes what its own dequantized weights compute
+    np.testing.assert_allclose(_loaded_logits(out, IDS), _logits(dense, config, IDS),
+                               atol=2e-4, rtol=1e-3)
+    with pytest.raises(GGUFError, match="4 or 8"):
+        convert_gguf(src, tmp_path / "bad", quantize=3)
