@@ -1,8 +1,9 @@
 """Build the compiled parts in ``ext/`` into ``afm_core``.
 
-Each ``ext/NAME.pyx`` becomes the Cython module ``afm_core.NAME``; on Linux,
-``ext/blas/cblas_shim.c`` becomes ``afm_core._cblas_shim``, the library that
-binds MLX's BLAS calls to an optimized BLAS (``afm_core._blas``).  Set
+Each ``ext/stream/NAME.pyx`` becomes the Cython module ``afm_core._stream.NAME``
+(the twin of ``afm_core/_stream/NAME_py.py``); on Linux,
+``ext/blas/cblas_shim.c`` becomes ``afm_core._mlx.cblas_shim``, the library that
+binds MLX's BLAS calls to an optimized BLAS (``afm_core._mlx.blas``).  Set
 ``AFM_NO_EXTENSIONS=1`` to skip the build entirely; the package then runs on
 its pure-Python twins and MLX's own BLAS.  A failed build (no compiler, no
 Cython) warns and falls back instead of failing the installation.
@@ -20,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 NO_EXTENSIONS = os.environ.get("AFM_NO_EXTENSIONS", "") not in ("", "0")
-# AFM_EXT_ONLY=_detok_c,_sse_c limits a development rebuild to those modules.
+# AFM_EXT_ONLY=detok_c,sse_c limits a development rebuild to those modules.
 ONLY = {n for n in os.environ.get("AFM_EXT_ONLY", "").split(",") if n}
 
 
@@ -56,7 +57,7 @@ def native_extensions() -> list:
         return []  # MLX uses Accelerate (macOS); the BLAS shim is Linux-only
     return [
         Extension(
-            "afm_core._cblas_shim",
+            "afm_core._mlx.cblas_shim",
             [str(Path("ext") / "blas" / "cblas_shim.c")],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
             libraries=["dl"],
@@ -65,7 +66,7 @@ def native_extensions() -> list:
 
 
 def qmm_extensions() -> list:
-    """``afm_core._qmm_ext`` (``ext/qmm/``): the quantized matmul MLX primitive.
+    """``afm_core._mlx.qmm_ext`` (``ext/qmm/``): the quantized matmul MLX primitive.
 
     C++20 against the headers and ``libmlx`` of the installed mlx wheel, with
     nanobind's library compiled in (domain ``mlx``, as mlx's own module), so it
@@ -80,7 +81,7 @@ def qmm_extensions() -> list:
         import mlx
         import nanobind
     except ImportError as exc:
-        print(f"WARNING: not building afm_core._qmm_ext ({exc}); MLX's quantized "
+        print(f"WARNING: not building afm_core._mlx.qmm_ext ({exc}); MLX's quantized "
               "matmul will be used.", file=sys.stderr)
         return []
     mlx_dir = Path(next(iter(mlx.__path__)))
@@ -94,7 +95,7 @@ def qmm_extensions() -> list:
     except (OSError, IndexError) as exc:
         compatible, version = False, repr(exc)
     if not compatible or not (mlx_dir / "include" / "mlx" / "primitives.h").exists():
-        print(f"WARNING: not building afm_core._qmm_ext: nanobind {nanobind.__version__} "
+        print(f"WARNING: not building afm_core._mlx.qmm_ext: nanobind {nanobind.__version__} "
               f"(internals {version}) does not match mlx's build, or mlx has no headers.",
               file=sys.stderr)
         return []
@@ -102,12 +103,12 @@ def qmm_extensions() -> list:
     src = Path("ext") / "qmm"
     link_args, rpaths = [], []
     if sys.platform == "darwin":
-        link_args = ["-Wl,-rpath,@loader_path/../mlx/lib", f"-Wl,-rpath,{lib_dir}"]
+        link_args = ["-Wl,-rpath,@loader_path/../../mlx/lib", f"-Wl,-rpath,{lib_dir}"]
     else:
-        rpaths = ["$ORIGIN/../mlx/lib", lib_dir]  # installed beside mlx; editable
+        rpaths = ["$ORIGIN/../../mlx/lib", lib_dir]  # installed beside mlx; editable
     return [
         Extension(
-            "afm_core._qmm_ext",
+            "afm_core._mlx.qmm_ext",
             [str(src / "qmm_kernels.cpp"), str(src / "qmm_ext.cpp"), str(src / "nb_lib.cpp")],
             language="c++",
             include_dirs=[str(nb_dir / "include"), str(nb_dir / "ext" / "robin_map" / "include"),
@@ -136,10 +137,12 @@ def extensions() -> list:
         return native
     from setuptools import Extension
 
-    shared = sorted(glob(str(Path("ext") / "*.pxi")))  # included by the .pyx files
+    stream = Path("ext") / "stream"
+    shared = sorted(glob(str(stream / "*.pxi")))  # included by the .pyx files
     modules = [
-        Extension(f"afm_core.{Path(src).stem}", [src], extra_compile_args=["-O2"], depends=shared)
-        for src in sorted(glob(str(Path("ext") / "*.pyx")))
+        Extension(f"afm_core._stream.{Path(src).stem}", [src], extra_compile_args=["-O2"],
+                  depends=shared)
+        for src in sorted(glob(str(stream / "*.pyx")))
         if not ONLY or Path(src).stem in ONLY
     ]
     return native + cythonize(

@@ -5,20 +5,15 @@ The public face; implementation modules are private (``_x``).
 
 from __future__ import annotations
 
-from . import _blas
+from ._mlx import blas as _blas
 
-_blas.ensure_loaded()  # before anything computes with MLX: see afm_core._blas
+_blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 
-from . import _architectures
-from ._accumulate import ChunkAccumulator as ChunkAccumulator
-from ._accumulate import accumulate as accumulate
-from ._detok import DecoderTables as DecoderTables
-from ._detok import IncrementalDetokenizer as IncrementalDetokenizer
-from ._engine import ChatStream as ChatStream
-from ._engine import Engine as Engine
-from ._engine import EngineConfig as EngineConfig
-from ._engine import EngineStatistics as EngineStatistics
-from ._engine import open_engine as open_engine
+from ._engine.engine import ChatStream as ChatStream
+from ._engine.engine import Engine as Engine
+from ._engine.engine import EngineConfig as EngineConfig
+from ._engine.engine import EngineStatistics as EngineStatistics
+from ._engine.engine import open_engine as open_engine
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError
 from ._errors import DuplicateRequestError as DuplicateRequestError
@@ -31,28 +26,33 @@ from ._errors import RequestError as RequestError
 from ._errors import StreamErrorChunk as StreamErrorChunk
 from ._errors import StreamProtocolError as StreamProtocolError
 from ._errors import UnsupportedError as UnsupportedError
-from ._events import ContentDelta as ContentDelta
-from ._events import Finish as Finish
-from ._events import LogprobsDelta as LogprobsDelta
-from ._events import Profile as Profile
-from ._events import ReasoningDelta as ReasoningDelta
-from ._events import StreamError as StreamError
-from ._events import TokenLogprob as TokenLogprob
-from ._events import ToolCallDelta as ToolCallDelta
-from ._events import TopLogprob as TopLogprob
-from ._events import Usage as Usage
-from ._gguf import convert_gguf as convert_gguf
-from ._models import resolve_model as resolve_model
-from ._reasoning import ReasoningSplitter as ReasoningSplitter
-from ._request import ChatRequest as ChatRequest
-from ._sse import SSEEncoder as SSEEncoder
-from ._structured import StructuredOutput as StructuredOutput
-from ._structured import StructuredResult as StructuredResult
-from ._structured import make_structured_output as make_structured_output
-from ._toolfmt import guess_tool_format as guess_tool_format
-from ._toolfmt import make_tool_tracker as make_tool_tracker
-from ._toolfmt_base import ToolCallError as ToolCallError
-from ._tools import ToolCallTracker as ToolCallTracker
+from ._models import architectures as _architectures
+from ._models.gguf.convert import convert_gguf as convert_gguf
+from ._models.resolve import resolve_model as resolve_model
+from ._stream.accumulate import ChunkAccumulator as ChunkAccumulator
+from ._stream.accumulate import accumulate as accumulate
+from ._stream.detok import DecoderTables as DecoderTables
+from ._stream.detok import IncrementalDetokenizer as IncrementalDetokenizer
+from ._stream.events import ContentDelta as ContentDelta
+from ._stream.events import Finish as Finish
+from ._stream.events import LogprobsDelta as LogprobsDelta
+from ._stream.events import Profile as Profile
+from ._stream.events import ReasoningDelta as ReasoningDelta
+from ._stream.events import StreamError as StreamError
+from ._stream.events import TokenLogprob as TokenLogprob
+from ._stream.events import ToolCallDelta as ToolCallDelta
+from ._stream.events import TopLogprob as TopLogprob
+from ._stream.events import Usage as Usage
+from ._stream.reasoning import ReasoningSplitter as ReasoningSplitter
+from ._stream.request import ChatRequest as ChatRequest
+from ._stream.sse import SSEEncoder as SSEEncoder
+from ._stream.structured import StructuredOutput as StructuredOutput
+from ._stream.structured import StructuredResult as StructuredResult
+from ._stream.structured import make_structured_output as make_structured_output
+from ._stream.toolcalls.base import ToolCallError as ToolCallError
+from ._stream.toolcalls.registry import guess_tool_format as guess_tool_format
+from ._stream.toolcalls.registry import make_tool_tracker as make_tool_tracker
+from ._stream.tools import ToolCallTracker as ToolCallTracker
 
 _architectures.register()
 

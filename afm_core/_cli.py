@@ -16,8 +16,8 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("afm_http._serve_cli", "start the OpenAI-compatible HTTP server"),
     "testing": ("afm_core.testing._cli", "offline test models (make-model)"),
-    "convert-gguf": ("afm_core._gguf_cli", "convert a llama GGUF file to an mlx-lm directory"),
-    "fetch-default": ("afm_core._default_model_cli", "fetch and convert the embedded default model"),
+    "convert-gguf": ("afm_core._models.gguf.cli", "convert a llama GGUF file to an mlx-lm directory"),
+    "fetch-default": ("afm_core._models.default_model_cli", "fetch and convert the embedded default model"),
     "bench": ("afm_core.bench._cli", "benchmark a served model against raw mlx-lm and peers"),
 }
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP adapter (quart-trio).
 
-Routes turn JSON into :class:`~afm_core._request.ChatRequest` and write the
+Routes turn JSON into :class:`~afm_core._stream.request.ChatRequest` and write the
 SSE encoder's bytes, one write per engine step.  No stream logic lives here:
 the engine emits the events, the encoder frames them, the accumulator builds
 the non-streaming response.
@@ -25,13 +25,13 @@ import trio
 from quart import Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from afm_core._blas import blas_info
-from afm_core._engine import ChatStream, Engine
+from afm_core._engine.engine import ChatStream, Engine
 from afm_core._errors import AFMError, RequestError
-from afm_core._events import Finish, StreamError, Usage
-from afm_core._qmatmul import kernel_isa
-from afm_core._request import ChatRequest
-from afm_core._sse import SSEEncoder
+from afm_core._mlx.blas import blas_info
+from afm_core._mlx.qmatmul import kernel_isa
+from afm_core._stream.events import Finish, StreamError, Usage
+from afm_core._stream.request import ChatRequest
+from afm_core._stream.sse import SSEEncoder
 
 from . import _metrics
 from ._asgi import AFMQuart, close_when_done

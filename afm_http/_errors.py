@@ -13,7 +13,7 @@ from quart import Response
 from werkzeug.exceptions import HTTPException
 
 from afm_core._errors import AFMError, EngineBusyError
-from afm_core._sse import dumps
+from afm_core._stream.sse import dumps
 
 __all__ = ["envelope", "error_response", "from_exception", "from_http_exception", "json_response"]
 

@@ -77,10 +77,10 @@ def _say(message: str) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from afm_core._blas import blas_info
-    from afm_core._engine import open_engine
-    from afm_core._models import resolve_model
-    from afm_core._qmatmul import kernel_isa
+    from afm_core._engine.engine import open_engine
+    from afm_core._mlx.blas import blas_info
+    from afm_core._mlx.qmatmul import kernel_isa
+    from afm_core._models.resolve import resolve_model
 
     from ._app import ServerConfig
     from ._server import serve_engine

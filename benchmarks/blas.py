@@ -11,7 +11,7 @@ engine's own profile (``X-AFM-Profile``'s numbers):
 * single-stream greedy decode tokens/s over ``--max-tokens`` tokens;
 * the first request's TTFT on a short prompt right after start (warm start).
 
-Settings: ``openblas`` (the default: afm_core._blas binds scipy-openblas32)
+Settings: ``openblas`` (the default: afm_core._mlx.blas binds scipy-openblas32)
 and ``reference`` (``AFM_BLAS=reference``: the wheel's netlib BLAS, with the
 transposed-weight layout that suits it, i.e. afm before the binding).
 Medians over the rounds and the ratio openblas / reference are printed.
@@ -34,7 +34,7 @@ import json, random, sys, time
 import trio
 import afm_core
 from afm_core import ChatRequest, Profile, open_engine
-from afm_core._default_model import ensure_default_model
+from afm_core._models.default_model import ensure_default_model
 
 seed, prompt_tokens, max_tokens = (int(a) for a in sys.argv[1:4])
 WORDS = ("river mountain lantern harbor copper meadow violin glacier orchard falcon "

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cpu_fusion.py [--model DIR] [--levels 1,8,32] [--max-tokens 256] [--repeats 5]
 
 For mlx-lm's ``BatchGenerator`` on the same model, plain and with
-``afm_core._fusion.fuse_cpu_kernels`` applied, it prints:
+``afm_core._mlx.fusion.fuse_cpu_kernels`` applied, it prints:
 
 * the operations MLX schedules for one decode step, by primitive (counted in
   the graph handed to ``mx.async_eval``; every one is a task for the CPU
@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
 # isort: split
 import mlx.core as mx
 
-from afm_core._batch import install
-from afm_core._fusion import fuse_cpu_kernels, unfuse_cpu_kernels
+from afm_core._mlx.batch import install
+from afm_core._mlx.fusion import fuse_cpu_kernels, unfuse_cpu_kernels
 from afm_core.testing import make_random_model
 
 

@@ -27,17 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from afm_core import _loader
-from afm_core._blas import blas_info, confirm
-from afm_core._default_model import ensure_default_model
-from afm_core._fusion import fuse_for_cpu
+from afm_core._mlx.blas import blas_info, confirm
+from afm_core._mlx.fusion import fuse_for_cpu
+from afm_core._models import loader as _loader
+from afm_core._models.default_model import ensure_default_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_fusion import census

@@ -17,7 +17,7 @@ repeats): the main thread (raw's loop; Trio for ours), the engine's
 generation thread and MLX's native worker threads.  CPU time is steadier
 than tokens/s on a noisy machine and shows where the cores go.
 
-The engine runs the model with its fused CPU kernels (``afm_core._fusion``);
+The engine runs the model with its fused CPU kernels (``afm_core._mlx.fusion``);
 raw runs mlx-lm's model as is.  ``--fused-raw`` adds raw with the same
 kernels, to show the engine's own cost apart from the kernels' gain.
 """
@@ -88,7 +88,7 @@ def raw(model_dir: Path, texts: list[str], concurrency: int, max_tokens: int,
     import mlx_lm
     from mlx_lm.generate import BatchGenerator
 
-    from afm_core._fusion import fuse_cpu_kernels, unfuse_cpu_kernels
+    from afm_core._mlx.fusion import fuse_cpu_kernels, unfuse_cpu_kernels
 
     model, tok = mlx_lm.load(str(model_dir))
     if fused:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def bench(model_dir: Path, tokens: int, repeats: int) -> dict[str, float]:
-    import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+    import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
     # isort: split
     import mlx.core as mx
@@ -61,12 +61,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from afm_core._gguf import convert_gguf
+    from afm_core._models.gguf.convert import convert_gguf
 
     if args.gguf:
         gguf = Path(args.gguf)
     else:
-        from afm_core._default_model import fetch_default_gguf
+        from afm_core._models.default_model import fetch_default_gguf
 
         gguf = fetch_default_gguf()
     print(f"model: {gguf.name}")

@@ -19,7 +19,7 @@ import argparse
 import statistics
 import time
 
-import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
 # isort: split
 import mlx.core as mx

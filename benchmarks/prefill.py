@@ -4,7 +4,7 @@
 
 For each concurrency C it runs the same closed loop twice per repeat, once
 with mlx-lm's ``BatchGenerator`` and once with the engine's
-``afm_core._prefill.EngineBatchGenerator`` (both with the engine's CPU
+``afm_core._mlx.prefill.EngineBatchGenerator`` (both with the engine's CPU
 kernels, as the engine runs): C streams at a time, each finished stream
 replaced by the next prompt in the same step, 4 x C requests of
 ``afm bench``'s default workload (seed 0: chat prompts of 16-64 words,
@@ -28,13 +28,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
 # isort: split
 import mlx.core as mx
 
-from afm_core._fusion import fuse_for_cpu
-from afm_core._prefill import EngineBatchGenerator
+from afm_core._mlx.fusion import fuse_for_cpu
+from afm_core._mlx.prefill import EngineBatchGenerator
 from afm_core.bench._workload import make_workload
 from afm_core.testing import make_random_model
 

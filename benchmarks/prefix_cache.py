@@ -16,12 +16,12 @@ import argparse
 import random
 import time
 
-import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._blas)
+import afm_core  # noqa: F401  (first: binds MLX's BLAS, see afm_core._mlx.blas)
 
 # isort: split
 from mlx_lm.models.cache import PromptTrie
 
-from afm_core._prefix_cache import PrefixTrie
+from afm_core._mlx.prefix_cache import PrefixTrie
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Quantized products on MLX's CPU backend: float32 BLAS vs mx.quantized_matmul
-vs afm_core._qmm_ext, then the default model's greedy decode with each.
+vs afm_core._mlx.qmm_ext, then the default model's greedy decode with each.
 
     .venv/bin/python benchmarks/qmatmul.py [--rows 1,8,128,512] [--tokens 64]
         [--skip-products] [--skip-decode]
@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import afm_core  # noqa: F401  (binds OpenBLAS under MLX before mlx computes)
-from afm_core import _qmatmul
+from afm_core._mlx import qmatmul as _qmatmul
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
 PROMPTS = [
@@ -103,9 +103,9 @@ def _greedy(model: nn.Module, ids: list[int], steps: int) -> tuple[list[int], fl
 def decode(tokens: int, rounds: int) -> None:
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from afm_core._default_model import default_model_dir, fetch_default_gguf
-    from afm_core._fusion import fuse_cpu_kernels
-    from afm_core._gguf import convert_gguf
+    from afm_core._mlx.fusion import fuse_cpu_kernels
+    from afm_core._models.default_model import default_model_dir, fetch_default_gguf
+    from afm_core._models.gguf.convert import convert_gguf
 
     gguf = fetch_default_gguf()
     f32_dir = default_model_dir(dequantize=True)
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     args = parser.parse_args()
     if not _qmatmul.qmm_available():
-        print("afm_core._qmm_ext is not available: 'afm q' is MLX's product")
+        print("afm_core._mlx.qmm_ext is not available: 'afm q' is MLX's product")
     if not args.skip_products:
         products([int(r) for r in args.rows.split(",")])
     if not args.skip_decode:

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/stream_core.py [--repeat 5]``
 
-Streams (offline byte-level BPE from ``tests/stream_tokenizers.py``): English
+Streams (offline byte-level BPE from ``tests/stream/tokenizers.py``): English
 prose, CJK text, and a tool call whose JSON argument string is ~5k tokens.
 Each component is timed on the whole stream (best of ``--repeat``) and
 reported in ns per token; ``chain`` is detokenize + reasoning + encode, the
@@ -22,9 +22,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from afm_core._detok_tables import DecoderTables
-from afm_core._events import ToolCallDelta
-from afm_core._toolfmt import make_tool_tracker
+from afm_core._stream.detok_tables import DecoderTables
+from afm_core._stream.events import ToolCallDelta
+from afm_core._stream.toolcalls.registry import make_tool_tracker
 from tests import stream_tokenizers
 
 TWINS = ("c", "py")

@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/stream_tools.py [--repeat 5]``
 
 Each format streams one call whose JSON argument string is ~5k tokens
-(offline byte-level BPE from ``tests/stream_tokenizers.py``), token by token,
+(offline byte-level BPE from ``tests/stream/tokenizers.py``), token by token,
 with some prose before it; a prose-only stream (no call) measures the cost
 of watching content for a start tag.  The tracker for each run is built
 fresh (``make_tool_tracker``) and timed on the whole stream, best of
@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from afm_core._toolfmt import make_tool_tracker
+from afm_core._stream.toolcalls.registry import make_tool_tracker
 from tests import stream_tokenizers
 
 TWINS = ("c", "py")

@@ -144,9 +144,9 @@ def run_real_model(args: argparse.Namespace) -> int:
     """``afm bench --real-model``: see ``afm_core.bench._real``."""
     import trio
 
-    from afm_core._default_model import fetch_default_gguf
     from afm_core._errors import ModelLoadError
-    from afm_core._models import resolve_model
+    from afm_core._models.default_model import fetch_default_gguf
+    from afm_core._models.resolve import resolve_model
 
     from ._real import DEFAULT_REAL_TARGETS, REAL_TARGETS, RealConfig, run_real
     from ._real_report import format_real_table, write_real_report

@@ -3,13 +3,13 @@
 No HTTP, no detokenizer, no JSON: token ids in, token ids out, with the same
 chat template, greedy sampling, stop tokens and ``max_tokens`` as the served
 path.  ``RawRunner`` owns one dedicated thread (a parked generation thread,
-see ``afm_core._genthread``): MLX streams are thread-local, so the model is
+see ``afm_core._engine.genthread``): MLX streams are thread-local, so the model is
 loaded, the stream made and every step run on that thread; Trio only awaits
 the result of a whole level.  Loops are bounded by their own deadline,
 checked every step.
 
 With ``kernels=True`` the model runs with the engine's CPU kernels
-(``afm_core._fusion``; nothing changes on the GPU): the same model as the
+(``afm_core._mlx.fusion``; nothing changes on the GPU): the same model as the
 served engine computes, so ours over that shows the server's own cost apart
 from the kernels.
 """
@@ -38,7 +38,7 @@ class RawRunner:
 
     def __init__(self, model_dir: str | Path, *, prefill_batch_size: int = 8,
                  kernels: bool = False, name: str = "raw") -> None:
-        from afm_core._genthread import run_on_generation_thread
+        from afm_core._engine.genthread import run_on_generation_thread
 
         self.model_dir = str(model_dir)
         self.prefill_batch_size = prefill_batch_size
@@ -63,7 +63,7 @@ class RawRunner:
                     fut.set_exception(exc)
         finally:
             if self._model is not None and self.kernels:
-                from afm_core._fusion import unfuse_cpu_kernels
+                from afm_core._mlx.fusion import unfuse_cpu_kernels
 
                 unfuse_cpu_kernels(self._model)  # frees the kernels' traces from this thread's cache
             self._model = self._tokenizer = self._stream = None
@@ -108,7 +108,7 @@ class RawRunner:
         # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
         self._model, self._tokenizer = load(self.model_dir)  # type: ignore[misc]
         if self.kernels:
-            from afm_core._fusion import fuse_for_cpu
+            from afm_core._mlx.fusion import fuse_for_cpu
 
             fuse_for_cpu(self._model)
         self._stream = mx.new_stream(mx.default_device())

@@ -284,7 +284,7 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
     async def open_target(key: str, stack: AsyncExitStack) -> tuple[str, Driver] | None:
         name = TARGET_NAMES[key]
         if key in ("raw", "raw_kernels"):
-            # raw_kernels: raw with afm's CPU kernels (afm_core._fusion), the same
+            # raw_kernels: raw with afm's CPU kernels (afm_core._mlx.fusion), the same
             # model computation as afm serve, without its server
             runner = RawRunner(cfg.model, kernels=key == "raw_kernels", name=name)
             stack.push_async_callback(runner.aclose)
@@ -368,7 +368,7 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
                 servers[PEER]["blas"] = _servers.blas_from_log(Path(servers[PEER]["log"]))
             for raw_name in (RAW, RAW_KERNELS):
                 if raw_name in servers:
-                    from afm_core._blas import blas_info
+                    from afm_core._mlx.blas import blas_info
 
                     servers[raw_name]["blas"] = blas_info().as_dict()
             if LLAMACPP in servers:

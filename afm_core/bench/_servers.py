@@ -73,15 +73,15 @@ def ours_spec(model_dir: str | Path, port: int, *, max_batch: int | None = None,
 BLAS_MARK = "afm-bench-blas:"
 
 # Runs ``mlx_lm.server`` as ``python -m`` would, after binding MLX's products to
-# the same BLAS as afm (``afm_core._blas``, before anything imports mlx.core),
-# and prints which BLAS that is.  Without ``afm_core._blas`` it runs the server
+# the same BLAS as afm (``afm_core._mlx.blas``, before anything imports mlx.core),
+# and prints which BLAS that is.  Without ``afm_core._mlx.blas`` it runs the server
 # unchanged (MLX's own BLAS).
 _PEER_LAUNCHER = f"""\
 import json, runpy, sys
 try:
-    import afm_core._blas as b
+    import afm_core._mlx.blas as b
 except ImportError:
-    info = {{"name": "reference", "reason": "afm_core._blas not available"}}
+    info = {{"name": "reference", "reason": "afm_core._mlx.blas not available"}}
 else:
     b.ensure_loaded()
     info = b.confirm().as_dict()

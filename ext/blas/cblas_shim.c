@@ -3,7 +3,7 @@
  * libmlx.so (mlx[cpu] on Linux) links the reference netlib BLAS and calls
  * exactly cblas_sgemm, cblas_dgemm and cblas_cgemm.  scipy-openblas32 exports
  * the same functions under prefixed names (scipy_cblas_sgemm, ...), so nothing
- * binds to them by itself.  afm_core._blas loads this library with
+ * binds to them by itself.  afm_core._mlx.blas loads this library with
  * RTLD_GLOBAL before mlx.core is first imported and hands it the optimized
  * functions' addresses through afm_cblas_bind(); the dynamic linker then binds
  * libmlx.so's cblas_* references here, ahead of the reference BLAS.

@@ -1,4 +1,4 @@
-// nanobind's own library, compiled into afm_core._qmm_ext (NB_STATIC, domain
+// nanobind's own library, compiled into afm_core._mlx.qmm_ext (NB_STATIC, domain
 // "mlx"): its internals are then shared with mlx.core's, so mlx.core.array
 // converts across the binding.
 #define NB_BUILD 1

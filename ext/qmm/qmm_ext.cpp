@@ -1,10 +1,10 @@
-// afm_core._qmm_ext: an MLX primitive computing x @ dequantize(w).T on the CPU
+// afm_core._mlx.qmm_ext: an MLX primitive computing x @ dequantize(w).T on the CPU
 // for MLX's affine quantized layout (4 or 8 bits, groups of 32, 64 or 128),
 // with the integer kernels of qmm_kernels.cpp spread over a small persistent
 // thread pool.  Built by setup.py (qmm_extensions) against the headers of the
 // installed mlx wheel and the nanobind version mlx was built with (domain
 // "mlx", so mlx.core.array crosses the binding).  No GPU kernel: eval_gpu
-// raises, and afm_core._qmatmul only calls this on the CPU device.
+// raises, and afm_core._mlx.qmatmul only calls this on the CPU device.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -165,7 +165,7 @@ const KernelSet& kernels() {
   return k != nullptr ? *k : select_kernels();
 }
 
-// The process's cblas_sgemm (the OpenBLAS afm_core._blas binds under MLX,
+// The process's cblas_sgemm (the OpenBLAS afm_core._mlx.blas binds under MLX,
 // which it loads into the global scope), for products of many rows.
 using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
                        float, float*, int);
@@ -442,7 +442,7 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
 }  // namespace
 }  // namespace afm_qmm
 
-NB_MODULE(_qmm_ext, m) {
+NB_MODULE(qmm_ext, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "x @ dequantize(w).T on the CPU for MLX's affine quantized layout";
   m.def("quantized_matmul", &afm_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,

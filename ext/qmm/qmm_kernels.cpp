@@ -1,4 +1,4 @@
-// Kernels for afm_core._qmm_ext: activation quantization, and one integer
+// Kernels for afm_core._mlx.qmm_ext: activation quantization, and one integer
 // gemv/gemm per instruction set (portable scalar; AVX2 and AVX-512 VNNI on
 // x86-64, chosen at run time; NEON on arm64).  See qmm_kernels.h.
 #include "qmm_kernels.h"

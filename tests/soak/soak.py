@@ -40,7 +40,7 @@ import httpx
 import trio
 from hypercorn.trio import serve
 
-from afm_core._engine import open_engine
+from afm_core._engine.engine import open_engine
 from afm_http import ServerConfig, create_app, hypercorn_config
 
 CHAT = "/v1/chat/completions"

@@ -1,0 +1,449 @@
+"""The generation thread: the only code that touches MLX after loading.
+
+It owns the model, mlx-lm's ``BatchGenerator`` and the prefix cache, and
+runs every stream's token pipeline.  Trio talks to it through a command
+queue (``submit`` / ``cancel`` / ``drop`` / ``stop``); it answers with one
+``post(outputs)`` per engine step, carrying every stream's new events.
+Commands are drained before every step, so a cancelled or abandoned request
+leaves the batch within one step, and a new one joins at the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._stream.events import (
+    Event,
+    Finish,
+    LogprobsDelta,
+    Profile,
+    StreamError,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from .._stream.pipeline import StreamPipeline
+from .._stream.request import ChatRequest
+from .profile import ProfileRecorder
+
+log = logging.getLogger("afm.engine")
+
+# outputs of one step: job key -> (events, finished)
+Outputs = dict[int, tuple[tuple[Event, ...], bool]]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the generation thread sees it."""
+
+    key: int
+    request: ChatRequest
+    prompt: list[int]
+    max_tokens: int
+    pipeline: StreamPipeline
+    profile: ProfileRecorder | None = None
+    grammar: Any = None  # a grammar logits processor (see _grammar)
+    # filled in by the thread
+    uid: int = -1
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    guards: list[Any] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class WorkerStats:
+    """Counters the thread updates and the engine reads (ints: atomic enough)."""
+
+    running: int = 0
+    prefilling: int = 0
+    queued: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_lookups: int = 0
+    prefix_cache_bytes: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Runs in its own thread; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        post: Callable[[Outputs], None],
+        max_batch: int,
+        prefill_batch: int,
+        prefill_step: int,
+        prefix_cache_bytes: int,
+        model_key: str,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.post = post
+        self.max_batch = max_batch
+        self.prefill_batch = prefill_batch
+        self.prefill_step = prefill_step
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.model_key = model_key
+        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.stats = WorkerStats()
+        self.jobs: dict[int, Job] = {}  # uid -> job
+        self.logprob_uids: set[int] = set()  # rows whose log-probabilities are read
+        self.by_key: dict[int, Job] = {}
+        self.thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+
+    # -- called from other threads -----------------------------------------
+
+    def submit(self, job: Job) -> None:
+        self.commands.put(("submit", job))
+
+    def cancel(self, key: int) -> None:
+        """End ``key`` with finish_reason ``cancelled`` (events are posted)."""
+        self.commands.put(("cancel", key))
+
+    def drop(self, key: int) -> None:
+        """Forget ``key`` silently (its consumer is gone)."""
+        self.commands.put(("drop", key))
+
+    def stop(self) -> None:
+        self.commands.put(("stop",))
+
+    def reset(self, done: Callable[[], None]) -> None:
+        """Zero the counters and empty the prefix cache, then call ``done``
+        (on the generation thread); used after the start-up warm-up."""
+        self.commands.put(("reset", done))
+
+    # -- the thread ----------------------------------------------------------
+
+    def setup(self) -> None:
+        """Create the MLX objects; must run on the generation thread."""
+        import mlx.core as mx
+
+        from .._mlx.prefill import EngineBatchGenerator
+        from .sampling import SamplerCache
+
+        self.mx = mx
+        self.stream = mx.new_stream(mx.default_device())
+        eos = sorted(self.tokenizer.eos_token_ids)
+        self.gen = EngineBatchGenerator(
+            self.model,
+            logprob_uids=self.logprob_uids,
+            max_tokens=1 << 30,
+            stop_tokens=[[t] for t in eos],
+            completion_batch_size=self.max_batch,
+            # mlx-lm widens the decode batch to the prefill batch: keep it within max_batch
+            prefill_batch_size=min(self.prefill_batch, self.max_batch),
+            prefill_step_size=self.prefill_step,
+            stream=self.stream,
+        )
+        self.prefix_cache = self._new_prefix_cache()
+        self.samplers = SamplerCache()
+        self.eos = set(eos)
+        self.weights_bytes = _param_bytes(self.model)
+        self.device = str(mx.default_device()).split("(")[-1].split(",")[0].replace("DeviceType.", "")
+        from .._mlx.blas import confirm
+
+        self.blas = confirm().name
+
+    def _new_prefix_cache(self) -> Any:
+        from .._mlx.prefix_cache import make_prefix_cache
+
+        return make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
+
+    def run_failed(self, exc: BaseException) -> None:
+        """The loop died: end every stream with an error chunk."""
+        log.error("generation thread died: %s", "".join(traceback.format_exception(exc)))
+        outputs: Outputs = {}
+        for job in self.by_key.values():
+            err = StreamError(f"generation failed: {exc}", code="generation_failed")
+            outputs[job.key] = ((err,), True)
+        self.by_key.clear()
+        self.jobs.clear()
+        if outputs:
+            self.post(outputs)
+
+    def loop(self) -> None:
+        """The generation loop; returns after a ``stop`` command."""
+        while True:
+            busy = bool(self.by_key)
+            try:
+                cmd = self.commands.get(block=not busy)
+            except queue.Empty:
+                cmd = None
+            outputs: Outputs = {}
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    self._shutdown(outputs)
+                    if outputs:
+                        self.post(outputs)
+                    return
+                self._command(cmd, outputs)
+                try:
+                    cmd = self.commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.by_key:
+                self._step(outputs)
+            self._update_stats()
+            if outputs:
+                self.post(outputs)
+
+    def _command(self, cmd: tuple[Any, ...], outputs: Outputs) -> None:
+        kind, arg = cmd
+        if kind == "submit":
+            self._admit(arg, outputs)
+            return
+        if kind == "reset":
+            self.stats = WorkerStats()
+            self.prefix_cache = self._new_prefix_cache()
+            arg()
+            return
+        job = self.by_key.get(arg)
+        if job is None:
+            return
+        self._remove(job)
+        if kind == "cancel":
+            outputs[job.key] = (tuple(self._end(job, "cancelled")), True)
+
+    def _admit(self, job: Job, outputs: Outputs) -> None:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        from .sampling import GuardedProcessor, logits_processors
+
+        try:
+            req = job.request
+            prompt = job.prompt
+            cache, rest = None, prompt
+            if self.prefix_cache_bytes > 0:
+                self.stats.prefix_cache_lookups += 1
+                cache, rest = self.prefix_cache.fetch_nearest_cache(self.model_key, prompt)
+                if cache is not None and not rest:
+                    # exact hit: recompute the last token so generation has an input
+                    trim_prompt_cache(cache, 1)
+                    rest = prompt[-1:]
+                if cache is None:
+                    rest = prompt
+            job.cached_tokens = len(prompt) - len(rest)
+            if job.cached_tokens:
+                self.stats.prefix_cache_hits += 1
+            procs = [GuardedProcessor(p) for p in logits_processors(req, _vocab_size(self.model))]
+            if job.grammar is not None:
+                procs.append(GuardedProcessor(job.grammar))
+            job.guards = procs
+            (uid,) = self.gen.insert(
+                [rest],
+                max_tokens=[job.max_tokens],
+                caches=[cache] if cache is not None else None,
+                all_tokens=[prompt[: job.cached_tokens]],
+                samplers=[self.samplers.get(req, _vocab_size(self.model))],
+                # mlx-lm only reads the inner lists, but annotates them as invariant List
+                logits_processors=[procs],  # type: ignore[list-item]
+            )
+        except Exception as exc:  # fail this request only
+            log.exception("admitting request failed")
+            outputs[job.key] = ((StreamError(f"could not start generation: {exc}"),), True)
+            return
+        job.uid = uid
+        self.jobs[uid] = job
+        if req.logprobs:
+            self.logprob_uids.add(uid)
+        self.by_key[job.key] = job
+        self.stats.prompt_tokens += len(prompt)
+        self.stats.computed_prompt_tokens += len(rest)
+        self.stats.cached_tokens += job.cached_tokens
+        if job.profile is not None:
+            job.profile.admitted(time.perf_counter())
+
+    def _step(self, outputs: Outputs) -> None:
+        gen = self.gen
+        try:
+            _prompt_responses, responses = gen.next()
+        except Exception as exc:  # the batch is unusable: fail it, keep serving
+            log.exception("engine step failed")
+            for stale in list(self.by_key.values()):
+                self._remove(stale)
+                outputs[stale.key] = ((StreamError(f"generation failed: {exc}"),), True)
+            self._reset_generator()
+            return
+        self.stats.steps += 1
+        now = time.perf_counter()
+        batch_size = len(responses)
+        active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
+        pending: dict[int, list[Event]] = {}
+        for r in responses:
+            job = self.jobs.get(r.uid)
+            if job is None:
+                continue
+            events = pending.setdefault(job.key, [])
+            failed = next((g.error for g in job.guards if g.error is not None), None)
+            if failed is not None:
+                self._remove(job)
+                events.append(StreamError(f"generation failed: {failed}"))
+                outputs[job.key] = (tuple(events), True)
+                continue
+            try:
+                self._advance(job, r, events, outputs, now, batch_size, active)
+            except Exception as exc:  # one stream's fault ends only that stream
+                log.exception("stream processing failed")
+                if job.uid in self.jobs:
+                    self._remove(job)
+                events.append(StreamError(f"stream processing failed: {exc}"))
+                outputs[job.key] = (tuple(events), True)
+        for key, events in pending.items():
+            if key not in outputs and events:
+                outputs[key] = (tuple(events), False)
+
+    def _advance(self, job: Job, r: Any, events: list[Event], outputs: Outputs, now: float,
+                 batch_size: int, active: int) -> None:
+        """Feed one generated token of ``job`` through its pipeline."""
+        gen = self.gen
+        job.completion_tokens += 1
+        self.stats.generation_tokens += 1
+        reason = r.finish_reason
+        stopped = False
+        if not (reason == "stop" and r.token in self.eos):
+            stopped = job.pipeline.feed_token(r.token, events)
+            if job.request.logprobs:
+                events.append(self._logprobs(r.token, r.logprobs, job.request.top_logprobs))
+        if job.profile is not None:
+            job.profile.step(now, job.completion_tokens, batch_size, active)
+        if stopped and reason is None:
+            reason = "stop"
+            gen.remove([r.uid])
+            self._forget(job)
+        elif reason is not None:
+            self._forget(job)
+            if self.prefix_cache_bytes > 0 and r.prompt_cache is not None:
+                self._save_cache(r.all_tokens, r.prompt_cache)
+        if reason is not None:
+            if reason == "stop" and job.pipeline.saw_tool_call:
+                reason = "tool_calls"
+            events.extend(self._end(job, reason))
+            outputs[job.key] = (tuple(events), True)
+
+    def _update_stats(self) -> None:
+        s, gen = self.stats, self.gen
+        s.running = len(gen._generation_batch)
+        s.prefilling = len(gen._prompt_batch)
+        s.queued = len(gen._unprocessed_sequences)
+
+    def _logprobs(self, token: int, logprobs: Any, k: int) -> LogprobsDelta:
+        from .sampling import top_logprobs
+
+        tok = self.tokenizer
+        lp = float(logprobs[token].item())
+        text = tok.decode([token])
+        tops: tuple[TopLogprob, ...] = ()
+        if k:
+            ids, vals = top_logprobs(logprobs, k)
+            tops = tuple(
+                TopLogprob(t, v, tuple(t.encode("utf-8")))
+                for t, v in ((tok.decode([i]), v) for i, v in zip(ids, vals, strict=True))
+            )
+        return LogprobsDelta((TokenLogprob(text, lp, tuple(text.encode("utf-8")), tops),))
+
+    def _end(self, job: Job, reason: str) -> list[Event]:
+        events: list[Event] = []
+        try:
+            job.pipeline.finish(events)
+        except Exception as exc:  # noqa: BLE001
+            events.append(StreamError(f"stream processing failed: {exc}"))
+            return events
+        job.done = True
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        events.append(Finish(reason))
+        usage = Usage(len(job.prompt), job.completion_tokens, job.cached_tokens)
+        events.append(usage)
+        if job.profile is not None:
+            mx = self.mx
+            kv = _kv_bytes_per_token(self.model) * (len(job.prompt) + job.completion_tokens)
+            payload = job.profile.payload(
+                prompt_tokens=len(job.prompt),
+                cached_tokens=job.cached_tokens,
+                completion_tokens=job.completion_tokens,
+                weights_bytes=self.weights_bytes,
+                kv_bytes=kv,
+                active_bytes=mx.get_active_memory(),
+                peak_bytes=mx.get_peak_memory(),
+                device=self.device,
+                blas=self.blas,
+            )
+            events.append(Profile(payload, job.profile.extended))
+        return events
+
+    def _remove(self, job: Job) -> None:
+        if job.uid >= 0:
+            self.gen.remove([job.uid])
+        self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        self.jobs.pop(job.uid, None)
+        self.logprob_uids.discard(job.uid)
+        self.by_key.pop(job.key, None)
+
+    def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
+        # mlx-lm extracts a finished row's cache lazily, as a copy of a slice of
+        # the whole batch's buffer: evaluate it, or every entry keeps that buffer
+        # alive and the byte budget (which counts the slice) means nothing.
+        # Asynchronously: waiting here would also wait for the step already
+        # queued on the stream, and the next step could not be built meanwhile.
+        self.mx.async_eval([c.state for c in cache])
+        self.prefix_cache.insert_cache(self.model_key, list(tokens), cache)
+        active = self.gen.prompt_cache_nbytes
+        self.prefix_cache.trim_to(n_bytes=max(self.prefix_cache_bytes - active, 0))
+        self.stats.prefix_cache_bytes = self.prefix_cache.nbytes
+
+    def _reset_generator(self) -> None:
+        self.gen.close()
+        # a step that failed inside mlx-lm's compiled sampler can leave the global
+        # PRNG state unevaluable; start it afresh with the generator
+        self.mx.random.seed(time.time_ns() % (2**32))
+        self.logprob_uids.clear()
+        self.setup()
+
+    def _shutdown(self, outputs: Outputs) -> None:
+        for job in list(self.by_key.values()):
+            self._remove(job)
+            outputs[job.key] = ((StreamError("the engine is shutting down", code="engine_closed"),), True)
+        self.gen.close()
+
+
+def _param_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    # mlx annotates list-or-dict; without ``destination`` it is always the list of pairs
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(v.nbytes for _, v in flat)
+
+
+def _vocab_size(model: Any) -> int:
+    args = getattr(model, "args", None)
+    return int(getattr(args, "vocab_size", 0) or 1 << 30)
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    """K and V bytes one token adds to the cache (float32 estimate from the config)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return 0
+    layers = getattr(args, "num_hidden_layers", 0) or len(getattr(model, "layers", []))
+    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 0) or 0
+    hidden = getattr(args, "hidden_size", 0) or 0
+    n_heads = getattr(args, "num_attention_heads", 0) or 1
+    head_dim = getattr(args, "head_dim", None) or (hidden // n_heads if hidden else 0)
+    return int(2 * layers * heads * head_dim * 4)

@@ -1,0 +1,22 @@
+"""Everything that reaches into MLX or mlx-lm internals, in one place.
+
+Owns: the decode batch and padding-free prefill built on mlx-lm's
+``BatchGenerator`` / ``GenerationBatch`` private fields (:mod:`.batch`,
+:mod:`.prefill`), the prefix-cache index over mlx-lm's ``PromptTrie``
+(:mod:`.prefix_cache`), fused CPU kernels and matmul-friendly weights
+(:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
+(:mod:`.qmatmul`) and the optimized BLAS bound under ``libmlx``
+(:mod:`.blas`, loaded first of all by ``import afm_core``).
+
+**The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
+``mlx==0.32.4`` exactly, because the modules here subclass or read private
+names (``_generation_batch``, ``_prompt_batch``, ``_unprocessed_sequences``,
+the trie's node layout, model attribute names) that mlx-lm may change in any
+release, and ``qmm_ext`` compiles against the mlx wheel's headers.  An mlx-lm
+bump should touch this folder only: bump the pin, run ``make test``, fix
+what fails here.
+
+May import: mlx, mlx-lm and the standard library (``blas`` must not import
+mlx at module level).  Never ``afm_core._engine``, ``_models`` or
+``_stream``.
+"""

@@ -1,0 +1,120 @@
+"""The engine's decode batch: mlx-lm's ``GenerationBatch`` with two per-step costs removed.
+
+mlx-lm's batch (``mlx_lm.generate.GenerationBatch``) is what every step of
+``BatchGenerator`` runs.  Two of its habits cost time on every step for
+nothing the engine uses:
+
+* it splits the step's log-probabilities into one array per row
+  (``list(logprobs)``: a slice op per stream, evaluated every step) although
+  only requests asking for ``logprobs`` read them.  Here only those rows are
+  split; the others carry ``None``.
+* when the rows do not all share one sampler object it samples every row in
+  its own call.  Here rows sharing a sampler (the engine shares one per set of
+  sampling parameters, see :class:`afm_core._engine.sampling.SamplerCache`) are
+  sampled together, one call per distinct sampler.
+
+Everything else (the forward pass, logits processors, the pipelined
+``async_eval`` of the next step, token bookkeeping) is the same sequence of
+operations as mlx-lm's, so outputs are identical.  Every ``SETTLE_EVERY``
+steps the cache state is evaluated too (see there).  :func:`install` swaps the
+batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
+and extends it with each prefilled group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.sample_utils import Sampler
+
+__all__ = ["EngineGenerationBatch", "install"]
+
+SETTLE_EVERY = 64
+"""Steps between evaluations of the whole cache state.  A model that never
+reads part of its cache (a layer without RoPE never reads the offset) would
+otherwise grow a lazy graph, holding memory, for as long as the batch runs."""
+
+
+class EngineGenerationBatch(GenerationBatch):
+    """See the module docstring.  ``logprob_uids`` are the rows whose
+    log-probabilities the engine reads."""
+
+    logprob_uids: set[int]
+    _steps = 0  # decode steps run; instances count from the class default
+
+    def _step(self) -> tuple[list[int], list[Any]]:
+        inputs: mx.array = self._next_tokens
+        # mlx-lm's __init__ sets it to None, so its inferred type is None alone
+        self._current_tokens = inputs  # type: ignore[assignment]
+        self._current_logprobs = self._next_logprobs
+
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)
+        logits = logits[:, -1, :]
+
+        token_context = []
+        all_processors = self.logits_processors
+        if all_processors and any(all_processors):
+            rows = []
+            for e in range(len(self.uids)):
+                row = logits[e : e + 1]
+                processors = all_processors[e] or ()
+                if processors:
+                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                    token_context.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+
+        wanted = self.logprob_uids
+        self._next_tokens = sampled
+        self._next_logprobs = [logprobs[i] if uid in wanted else None
+                               for i, uid in enumerate(self.uids)] if wanted else [None] * len(self.uids)
+        self._steps += 1
+        settle = self._cache_state() if self._steps % SETTLE_EVERY == 0 else []
+        mx.async_eval(self._next_tokens, self._next_logprobs, token_context, settle)
+
+        mx.eval(inputs, self._current_logprobs)
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # mlx annotates any ndim; 1-D is a list
+        for seq, t in zip(self.tokens, tokens, strict=True):
+            seq.append(t)
+        return tokens, self._current_logprobs
+
+    def _cache_state(self) -> list[mx.array]:
+        return [x for c in self.prompt_cache for x in c.state if isinstance(x, mx.array)]
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """One sampler call per distinct sampler object, results in row order."""
+        row_samplers: Sequence[Sampler | None] = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in row_samplers]
+        first = samplers[0] if samplers else self.fallback_sampler
+        if all(s is first for s in samplers):
+            return first(logprobs)
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for row, s in enumerate(samplers):
+            groups.setdefault(id(s), (s, []))[1].append(row)
+        order: list[int] = []
+        parts = []
+        for s, rows in groups.values():
+            parts.append(s(logprobs[mx.array(rows)]) if len(rows) > 1 else s(logprobs[rows[0] : rows[0] + 1]))
+            order.extend(rows)
+        inverse = [0] * len(order)
+        for pos, row in enumerate(order):
+            inverse[row] = pos
+        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
+
+
+def install(gen: BatchGenerator, logprob_uids: set[int]) -> None:
+    """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
+    ``logprob_uids`` (a live set the caller keeps up to date)."""
+    if len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+        raise RuntimeError("install the engine batch before the first insert")
+    batch = EngineGenerationBatch.empty(gen.model, gen.sampler)
+    batch.logprob_uids = logprob_uids
+    gen._generation_batch = batch

@@ -1,0 +1,247 @@
+"""Fused element-wise kernels and matmul-friendly weights for MLX's CPU backend.
+
+On the GPU, MLX runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` as one kernel
+each.  The CPU backend has no such kernels: each call expands into its
+reference graph (square, sum, rsqrt, multiplies and broadcasts for a norm;
+arange, cos, sin, slices and concatenation for a rotary embedding), and every
+operation of it is a task of its own for MLX's CPU scheduler.  For the decode
+step of a small model the cost follows the number of operations, not the
+arithmetic: the tiny test model's step is 358 operations with mlx's layers
+and 198 with these (``benchmarks/cpu_fusion.py`` prints them by primitive).
+
+:func:`fuse_cpu_kernels` makes the model's ``nn.RMSNorm`` and ``nn.RoPE``
+layers call ``mx.compile``-d kernels, in which MLX fuses each run of
+element-wise operations into one generated kernel (the generated code may
+contract a multiply and an add into one fused multiply-add, so results agree
+with mlx's layers to float rounding).
+
+* Norms compile ``mx.fast.rms_norm`` itself: a shape-keyed trace for decode
+  shapes (one token per row, which repeat from step to step) and a shapeless
+  one for every other shape.
+* Rotary embeddings at decode (one position per row, positions given as an
+  array, as in mlx-lm's batch caches) use the slice-free form described in
+  :class:`_RopeKernels`, one trace per batch width and head count.  Prefill
+  calls, whose lengths vary, keep mlx's own function.
+
+Only layers whose class is exactly ``nn.RMSNorm``, ``nn.RoPE``, ``nn.Linear``
+or ``nn.Embedding`` change;
+model-specific variants keep their own code.  The kernels are made per call,
+so two engines in one process never share a compiled function.
+
+Matrix products go to the BLAS under MLX.  Normally that is OpenBLAS
+(``afm_core._mlx.blas``), which reads a weight in either order at full speed and
+computes the output head 2x faster read as ``nn.Embedding.as_linear`` does;
+weights then stay as they are.  With the reference (netlib) BLAS that the
+Linux wheel ships (``AFM_BLAS=reference``, or no OpenBLAS), loops vectorize
+when the weight is in (input, output) order and not when it is read
+transposed, which is how ``nn.Linear`` and a tied ``Embedding.as_linear``
+compute.  Plain ``nn.Linear`` layers then keep their weight transposed and
+contiguous (same bytes, so the same memory; each dot product sums its terms in the same order, so
+without a bias the results are the same bits, and with one they differ by a
+rounding, the bias being added at another point), and a tied embedding used
+as the output head gets a transposed copy beside it when that copy is at
+most ``TIED_HEAD_COPY_LIMIT`` bytes.  Products get 1.2-2.2x faster on this
+wheel (``benchmarks/cpu_fusion.py`` measures the whole step).
+
+MLX keeps compiled traces in a per-thread cache, and a compiled function
+erases its traces only from the cache of the thread that frees it.  The
+generation thread outlives its engine (see ``afm_core._engine.genthread``), so
+:func:`unfuse_cpu_kernels` must run on that thread when the engine stops, or
+the traces would stay in its cache for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+log = logging.getLogger("afm.engine")
+
+TIED_HEAD_COPY_LIMIT = 256 << 20
+"""Largest embedding (bytes) that gets a transposed copy for use as the output
+head; a bigger one keeps the transposed read (no extra memory)."""
+
+__all__ = ["fuse_cpu_kernels", "fuse_for_cpu", "unfuse_cpu_kernels", "wants_fusion"]
+
+Kernel = Callable[[mx.array, mx.array], mx.array]
+
+
+class _FusedRMSNorm(nn.RMSNorm):
+    _kernels: tuple[Kernel, Kernel]  # (one token per row, any shape)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        decode = x.ndim >= 3 and x.shape[1] == 1
+        return self._kernels[0 if decode else 1](x, self["weight"])
+
+
+class _FusedRoPE(nn.RoPE):
+    _kernels: _RopeKernels
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if (isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1
+                and (offset.ndim == 0 or offset.shape == (x.shape[0],))):
+            return self._kernels.get(x.shape[-1])(x, offset)
+        return super().__call__(x, offset)
+
+
+class _TransposedLinear(nn.Linear):
+    """``nn.Linear`` whose ``weight`` is stored (input, output), contiguous."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self["weight"])
+        return x @ self["weight"]
+
+
+class _HeadEmbedding(nn.Embedding):
+    """``nn.Embedding`` with a transposed copy of its table for ``as_linear``."""
+
+    _kernels: mx.array  # the table, (dims, vocabulary), contiguous
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self._kernels
+
+
+def _norm_kernels(eps: float) -> tuple[Kernel, Kernel]:
+    def norm(x: mx.array, weight: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, weight, eps)
+
+    # decode shapes repeat, and a shape-keyed trace saves the element count
+    # a shapeless one computes on every call
+    return mx.compile(norm), mx.compile(norm, shapeless=True)
+
+
+class _RopeKernels:
+    """Rotary embedding of one position per row, as ``x*cos + rotate(x)*sin``
+    over the whole head: ``rotate`` is a product with a fixed signed
+    permutation (exact), the frequencies are computed as MLX's reference does,
+    and dimensions past ``dims`` get angle 0 (they pass through).  Unlike the
+    reference graph it needs no slicing, so most of it fuses into one kernel.
+    One compiled kernel per head size."""
+
+    def __init__(self, dims: int, traditional: bool, base: float, scale: float):
+        self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
+        self._by_head: dict[int, Kernel] = {}
+
+    def get(self, head_dim: int) -> Kernel:
+        kernel = self._by_head.get(head_dim)
+        if kernel is None:
+            kernel = self._by_head[head_dim] = self._make(head_dim)
+        return kernel
+
+    def _make(self, head_dim: int) -> Kernel:
+        half = self.dims // 2
+        freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(self.base) / half))
+        freqs = mx.repeat(freqs, 2) if self.traditional else mx.concatenate([freqs, freqs])
+        freqs = mx.concatenate([freqs, mx.zeros((head_dim - 2 * half,), dtype=mx.float32)]) * self.scale
+        rotate = np.zeros((head_dim, head_dim), dtype=np.float32)
+        for i in range(half):
+            a, b = (2 * i, 2 * i + 1) if self.traditional else (i, i + half)
+            rotate[b, a], rotate[a, b] = -1.0, 1.0
+        rotation = mx.array(rotate)
+        mx.eval(freqs, rotation)  # constants: computed once, not in every step's graph
+
+        def rope(x: mx.array, offset: mx.array) -> mx.array:
+            angle = offset.astype(mx.float32)
+            if angle.ndim:
+                angle = mx.expand_dims(angle, (1, 2, 3))
+            xf = x.astype(mx.float32)
+            angle = angle * freqs
+            return (xf * mx.cos(angle) + (xf @ rotation) * mx.sin(angle)).astype(x.dtype)
+
+        return mx.compile(rope)
+
+
+def wants_fusion() -> bool:
+    """True when MLX computes on the CPU, where the fast kernels are missing."""
+    return mx.default_device() == mx.cpu
+
+
+def transposes_help() -> bool:
+    """Whether MLX's products run faster on transposed weights: only with the
+    reference BLAS (see ``afm_core._mlx.blas``); OpenBLAS reads either order at
+    full speed and computes the output head 2x faster untransposed."""
+    from .blas import blas_info
+
+    return blas_info().name == "reference"
+
+
+def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
+    """Switch ``model``'s plain RMSNorm and RoPE layers to fused kernels and,
+    with ``transpose`` (default: :func:`transposes_help`), its plain Linear
+    layers to transposed weights and a tied output head (a model without
+    ``lm_head``) to a transposed table, in place; returns how many layers
+    changed."""
+    if transpose is None:
+        transpose = transposes_help()
+    tied = not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules())
+    norms: dict[float, tuple[Kernel, Kernel]] = {}
+    ropes: dict[tuple[int, bool, float, float], _RopeKernels] = {}
+    changed = 0
+    for _, layer in model.named_modules():
+        if type(layer) is nn.Linear and transpose:
+            layer.__class__ = _TransposedLinear
+            layer["weight"] = mx.contiguous(layer["weight"].T)
+            mx.eval(layer["weight"])
+            changed += 1
+            continue
+        if type(layer) is nn.Embedding:
+            if not transpose or not tied or layer["weight"].nbytes > TIED_HEAD_COPY_LIMIT:
+                continue
+            kernels: object = mx.contiguous(layer["weight"].T)
+            mx.eval(kernels)
+            layer.__class__ = _HeadEmbedding
+        elif type(layer) is nn.RMSNorm:
+            if layer.eps not in norms:
+                norms[layer.eps] = _norm_kernels(layer.eps)
+            kernels = norms[layer.eps]
+            layer.__class__ = _FusedRMSNorm
+        elif type(layer) is nn.RoPE:
+            key = (layer.dims, layer.traditional, layer.base, layer.scale)
+            if key not in ropes:
+                ropes[key] = _RopeKernels(*key)
+            kernels = ropes[key]
+            layer.__class__ = _FusedRoPE
+        else:
+            continue
+        # beside the module's dict, so the kernels never count as parameters
+        object.__setattr__(layer, "_kernels", kernels)
+        changed += 1
+    from .qmatmul import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
+
+    return changed + use_fast_qmm(model)
+
+
+def fuse_for_cpu(model: nn.Module) -> int:
+    """:func:`fuse_cpu_kernels` when MLX computes on the CPU (logged); 0 elsewhere."""
+    if not wants_fusion():
+        return 0
+    changed = fuse_cpu_kernels(model)
+    log.info("CPU backend: %d norm, rotary, linear and head layers run as fused kernels,"
+             " with transposed weights or through afm's quantized products", changed)
+    return changed
+
+
+def unfuse_cpu_kernels(model: nn.Module) -> int:
+    """Give ``model`` its plain layers back and free the kernels (their traces
+    leave the calling thread's cache); returns how many layers changed."""
+    changed = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, _TransposedLinear):
+            layer["weight"] = mx.contiguous(layer["weight"].T)
+            mx.eval(layer["weight"])
+        elif isinstance(layer, (_FusedRMSNorm, _FusedRoPE, _HeadEmbedding)):
+            object.__delattr__(layer, "_kernels")
+        else:
+            continue
+        layer.__class__ = layer.__class__.__mro__[1]
+        changed += 1
+    from .qmatmul import restore_qmm
+
+    return changed + restore_qmm(model)

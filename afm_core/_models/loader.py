@@ -1,0 +1,67 @@
+"""Load a model and describe what its tokenizer and template can do."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._errors import ModelLoadError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Static facts about the loaded model."""
+
+    id: str
+    path: Path
+    context_length: int
+    vocab_size: int
+    think_tags: tuple[str, str] | None
+    tool_format: str | None
+    chat_template: str
+
+
+def load(path: Path) -> tuple[Any, Any, ModelInfo]:
+    """``(model, tokenizer, info)``; runs on the generation thread."""
+    import mlx_lm
+
+    try:
+        # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
+        model, tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
+    except Exception as exc:  # any failure surfaces as a typed error
+        raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
+    return model, tokenizer, describe(path, tokenizer)
+
+
+def describe(path: Path, tokenizer: Any) -> ModelInfo:
+    config = json.loads((path / "config.json").read_text())
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    template = getattr(hf, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = str(template)
+    ctx = int(
+        config.get("max_position_embeddings")
+        or (config.get("text_config") or {}).get("max_position_embeddings")
+        or getattr(hf, "model_max_length", 0)
+        or 4096
+    )
+    vocab = hf.get_vocab() if hasattr(hf, "get_vocab") else {}
+    think = ("<think>", "</think>") if "<think>" in vocab and "</think>" in vocab else None
+    return ModelInfo(
+        id=path.name,
+        path=path,
+        context_length=ctx,
+        vocab_size=int(config.get("vocab_size") or len(vocab)),
+        think_tags=think,
+        tool_format=guess_tool_format(template, vocab),
+        chat_template=template,
+    )
+
+
+def guess_tool_format(template: str, vocab: dict[str, int]) -> str | None:
+    """The tool-call wire format the model was trained on, from its template."""
+    from .._stream.toolcalls.registry import guess_tool_format as guess
+
+    return guess(template, vocab)

@@ -1,0 +1,389 @@
+"""Validated chat requests: OpenAI JSON in, a frozen ``ChatRequest`` out.
+
+Sans-IO.  ``ChatRequest.from_openai(body)`` checks every field it accepts and
+raises :class:`RequestError` (HTTP status hint and ``param``) for anything
+malformed; unknown top-level fields are ignored like OpenAI's lenient clients
+expect, except fields we cannot honour (``n > 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import RequestError, UnsupportedError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_INT = 2**31 - 1
+
+
+def _err(message: str, param: str) -> RequestError:
+    return RequestError(message, param=param)
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float | None) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _err(f"'{key}' must be a number", key)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer beyond float range
+        v = math.inf
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise _err(f"'{key}' must be between {lo:g} and {hi:g}", key)
+    return v
+
+
+def _integer(body: dict[str, Any], key: str, lo: int, hi: int, default: int | None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _err(f"'{key}' must be an integer", key)
+    if not lo <= v <= hi:
+        raise _err(f"'{key}' must be between {lo} and {hi}", key)
+    return v
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _err(f"'{key}' must be a boolean", key)
+    return v
+
+
+def _valid_text(text: str, param: str) -> str:
+    """``text`` unless it holds lone surrogates (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _err("text contains invalid unicode (a lone surrogate)", param) from None
+    return text
+
+
+def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
+    """Flatten OpenAI content (string or list of text parts) to a string."""
+    if content is None:
+        if allow_none:
+            return None
+        raise _err("message content is required", param)
+    if isinstance(content, str):
+        return _valid_text(content, param)
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            p = f"{param}[{i}]"
+            if not isinstance(part, dict):
+                raise _err("content parts must be objects", p)
+            kind = part.get("type")
+            if kind in ("text", "input_text", "output_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _err("a text part needs a string 'text'", p)
+                out.append(text)
+            elif kind in ("image_url", "input_audio", "file", "image"):
+                raise UnsupportedError(f"content part type '{kind}' is not supported by this model", param=p)
+            else:
+                raise _err(f"unknown content part type {kind!r}", p)
+        return _valid_text("".join(out), param)
+    raise _err("message content must be a string or a list of parts", param)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise _err("'tool_calls' must be an array", param)
+    out = []
+    for i, call in enumerate(calls):
+        p = f"{param}[{i}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise _err("a tool call needs a 'function' object", p)
+        fn = call["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _err("a tool call needs a function name", f"{p}.function.name")
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            raise _err("tool call arguments must be a JSON string", f"{p}.function.arguments")
+        _valid_text(args, f"{p}.function.arguments")
+        out.append(
+            {
+                "id": str(call.get("id") or f"call_{i}"),
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+        )
+    return out
+
+
+def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(raw, list) or not raw:
+        raise _err("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _err("each message must be an object", p)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _err(f"unknown role {role!r}", f"{p}.role")
+        if role == "developer":
+            role = "system"
+        if role == "function":
+            role = "tool"
+        msg: dict[str, Any] = {"role": role}
+        has_calls = role == "assistant" and m.get("tool_calls")
+        msg["content"] = _text_content(m.get("content"), f"{p}.content", allow_none=role == "assistant")
+        if role == "assistant" and msg["content"] is None and not has_calls:
+            msg["content"] = ""
+        if has_calls:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise _err("'reasoning_content' must be a string", f"{p}.reasoning_content")
+            msg["reasoning_content"] = reasoning
+        if role == "tool":
+            tcid = m.get("tool_call_id")
+            if tcid is not None and not isinstance(tcid, str):
+                raise _err("'tool_call_id' must be a string", f"{p}.tool_call_id")
+            msg["tool_call_id"] = tcid
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise _err("'name' must be a string", f"{p}.name")
+            msg["name"] = name
+        out.append(msg)
+    return tuple(out)
+
+
+def _tools(raw: Any) -> tuple[dict[str, Any], ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _err("'tools' must be an array", "tools")
+    out = []
+    names = set()
+    for i, t in enumerate(raw):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise _err("each tool must be {'type': 'function', 'function': {...}}", p)
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _err("a tool needs a 'function' object", f"{p}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise _err("a tool needs a function name (1-256 characters)", f"{p}.function.name")
+        if name in names:
+            raise _err(f"duplicate tool name {name!r}", f"{p}.function.name")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _err("'parameters' must be a JSON schema object", f"{p}.function.parameters")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise _err("'description' must be a string", f"{p}.function.description")
+        strict = fn.get("strict", False)
+        if not isinstance(strict, bool):
+            raise _err("'strict' must be a boolean", f"{p}.function.strict")
+        entry: dict[str, Any] = {"name": name, "parameters": params}
+        if desc is not None:
+            entry["description"] = desc
+        if strict:
+            entry["strict"] = True
+        out.append({"type": "function", "function": entry})
+    return tuple(out)
+
+
+def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> str | dict[str, Any]:
+    if raw is None:
+        return "auto" if tools else "none"
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise _err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
+        if raw == "required" and not tools:
+            raise _err("tool_choice 'required' needs tools", "tool_choice")
+        return raw
+    if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
+        name = raw["function"].get("name")
+        if not isinstance(name, str) or not tools or name not in {t["function"]["name"] for t in tools}:
+            raise _err(f"tool_choice names an unknown function {name!r}", "tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    raise _err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
+
+
+def _response_format(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _err("'response_format' must be an object", "response_format")
+    kind = raw.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        js = raw.get("json_schema")
+        if not isinstance(js, dict):
+            raise _err("'json_schema' must be an object", "response_format.json_schema")
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _err("'schema' must be a JSON schema object", "response_format.json_schema.schema")
+        name = js.get("name", "response")
+        if not isinstance(name, str):
+            raise _err("'name' must be a string", "response_format.json_schema.name")
+        strict = js.get("strict", False)
+        if not isinstance(strict, bool):
+            raise _err("'strict' must be a boolean", "response_format.json_schema.strict")
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}
+    raise _err("response_format type must be text, json_object or json_schema", "response_format.type")
+
+
+def _stop(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or len(raw) > MAX_STOP:
+        raise _err(f"'stop' must be a string or up to {MAX_STOP} strings", "stop")
+    for s in raw:
+        if not isinstance(s, str) or not s:
+            raise _err("stop sequences must be non-empty strings", "stop")
+    return tuple(raw)
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > 1024:
+        raise _err("'logit_bias' must be an object of at most 1024 token ids", "logit_bias")
+    out = {}
+    for k, v in raw.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise _err(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+        if tid < 0 or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+            raise _err("logit_bias values must be numbers in [-100, 100]", "logit_bias")
+        out[tid] = float(v)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """One validated chat completion request."""
+
+    messages: tuple[dict[str, Any], ...]
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+
+    @classmethod
+    def from_openai(cls, body: Any) -> ChatRequest:
+        """Validate an OpenAI chat completion body."""
+        if not isinstance(body, dict):
+            raise _err("the request body must be a JSON object", "body")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _err("'model' must be a string", "model")
+        n = _integer(body, "n", 1, 128, 1)
+        if n != 1:
+            raise UnsupportedError("only n=1 is supported", param="n")
+        stream = _bool(body, "stream", False)
+        opts = body.get("stream_options")
+        include_usage = False
+        if opts is not None:
+            if not isinstance(opts, dict):
+                raise _err("'stream_options' must be an object", "stream_options")
+            iu = opts.get("include_usage", False)
+            if not isinstance(iu, bool):
+                raise _err("'include_usage' must be a boolean", "stream_options.include_usage")
+            include_usage = iu
+        tools = _tools(body.get("tools"))
+        max_tokens = _integer(body, "max_completion_tokens", 1, MAX_INT, None)
+        if max_tokens is None:
+            max_tokens = _integer(body, "max_tokens", 1, MAX_INT, None)
+        logprobs = _bool(body, "logprobs", False)
+        top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0) or 0
+        if top_logprobs and not logprobs:
+            raise _err("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        ctk = body.get("chat_template_kwargs") or {}
+        if not isinstance(ctk, dict):
+            raise _err("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        enable_thinking = body.get("enable_thinking", ctk.get("enable_thinking"))
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise _err("'enable_thinking' must be a boolean", "enable_thinking")
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
+            raise _err("'reasoning_effort' must be none, minimal, low, medium or high", "reasoning_effort")
+        if effort == "none" and enable_thinking is None:
+            enable_thinking = False
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise _err("'seed' must be an integer", "seed")
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise _err("'seed' is out of range", "seed")
+        top_k = _integer(body, "top_k", -1, 1_000_000, 0) or 0
+        return cls(
+            messages=_messages(body.get("messages")),
+            model=model,
+            stream=stream,
+            include_usage=include_usage,
+            tools=tools,
+            tool_choice=_tool_choice(body.get("tool_choice"), tools),
+            parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+            response_format=_response_format(body.get("response_format")),
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0) or 0.0,
+            top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 0.0,
+            top_k=max(top_k, 0),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0) or 0.0,
+            seed=seed,
+            stop=_stop(body.get("stop")),
+            max_tokens=max_tokens,
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0) or 0.0,
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0) or 0.0,
+            repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0) or 1.0,
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            chat_template_kwargs=dict(ctk),
+            enable_thinking=enable_thinking,
+            reasoning_effort=effort,
+        )
+
+    @property
+    def strict_schema(self) -> dict[str, Any] | None:
+        """The schema to enforce with a grammar, when strict json_schema was asked."""
+        rf = self.response_format
+        if rf and rf["type"] == "json_schema" and rf["json_schema"]["strict"]:
+            return rf["json_schema"]["schema"]
+        return None

@@ -1,0 +1,206 @@
+"""Prefill without padding gives exactly mlx-lm's results, computing only real tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from afm_core._mlx.prefill import EngineBatchGenerator, EnginePromptBatch
+
+
+@pytest.fixture(scope="module")
+def model(random_model_dir: Path) -> Any:
+    import mlx_lm
+
+    return mlx_lm.load(str(random_model_dir))[0]
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # lengths from 1 (a prompt that is only its last token) to past two prefill chunks
+    return [[rng.randrange(3, 1000) for _ in range(rng.choice([1, 2, 7, 31, 33, 70]))] for _ in range(n)]
+
+
+def prefixed_caches(model: Any, prompts: list[list[int]]) -> tuple[list[Any], list[list[int]]]:
+    """Caches already holding the first part of some prompts (as prefix-cache
+    hits give), and what is left of each prompt."""
+    caches: list[Any] = []
+    rest: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if i % 3 == 1 and len(p) > 4:
+            cache = make_prompt_cache(model)
+            cut = len(p) // 2
+            model(mx.array(p[:cut])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+            rest.append(p[cut:])
+        else:
+            caches.append(None)
+            rest.append(p)
+    return caches, rest
+
+
+def run(gen: Any, prompts: list[list[int]], *, caches: list[Any] | None = None,
+        all_tokens: list[list[int]] | None = None,
+        remove_at: dict[int, int] | None = None) -> dict[int, tuple[list[int], list[mx.array]]]:
+    """Generate 8 tokens per prompt; ``remove_at`` maps a row to the step at
+    which it is removed (while it may still be prefilling)."""
+    # a repetition penalty reads each row's tokens so far (prompt included)
+    procs = [make_logits_processors(repetition_penalty=1.5) if i % 2 == 0 else [] for i in range(len(prompts))]
+    uids = gen.insert(prompts, max_tokens=[8] * len(prompts), caches=caches, all_tokens=all_tokens,
+                      logits_processors=procs)
+    out: dict[int, tuple[list[int], list[mx.array]]] = {i: ([], []) for i in range(len(prompts))}
+    row = {u: i for i, u in enumerate(uids)}
+    steps = 0
+    while True:
+        for i, at in (remove_at or {}).items():
+            if at == steps:
+                gen.remove([uids[i]])
+        steps += 1
+        _, responses = gen.next()
+        for r in responses:
+            toks, lps = out[row[r.uid]]
+            toks.append(r.token)
+            lps.append(r.logprobs)
+        if not (len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences):
+            break
+    gen.close()
+    return out
+
+
+def generators(model: Any) -> tuple[Any, Any]:
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 5, "prefill_batch_size": 3,
+                          "prefill_step_size": 32}
+    return BatchGenerator(model, **kw), EngineBatchGenerator(model, logprob_uids=set(), **kw)
+
+
+def assert_same(ours: dict[int, Any], theirs: dict[int, Any]) -> None:
+    assert ours.keys() == theirs.keys()
+    for i in ours:
+        assert ours[i][0] == theirs[i][0], i
+        # the first token's log-probabilities come from the prefill (later ones
+        # are only kept for rows that ask for them)
+        if ours[i][1]:
+            assert mx.allclose(ours[i][1][0], theirs[i][1][0], atol=1e-5).item(), i
+
+
+def test_same_tokens_as_mlx_lm_for_mixed_lengths_and_chunks(model: Any) -> None:
+    prompts = mixed_prompts(11)
+    plain, engine = generators(model)
+    theirs = run(plain, prompts)
+    ours = run(engine, prompts)
+    assert all(len(t) == 8 for t, _ in ours.values())
+    assert_same(ours, theirs)
+
+
+def test_same_tokens_with_prefix_cache_rows(model: Any) -> None:
+    prompts = mixed_prompts(9, seed=1)
+    plain, engine = generators(model)
+    results = []
+    for gen in (plain, engine):
+        caches, rest = prefixed_caches(model, prompts)  # (generators extend both in place)
+        seen = [p[: len(p) - len(r)] for p, r in zip(prompts, rest, strict=True)]
+        results.append(run(gen, rest, caches=caches, all_tokens=seen))
+    theirs, ours = results
+    assert_same(ours, theirs)
+
+
+def test_removing_rows_while_they_prefill(model: Any) -> None:
+    prompts = mixed_prompts(8, seed=2)
+    remove_at = {0: 1, 4: 2, 5: 3}
+    plain, engine = generators(model)
+    theirs = run(plain, prompts)
+    ours = run(engine, prompts, remove_at=remove_at)
+    for i in range(len(prompts)):
+        if i in remove_at:  # whatever it had produced: the start of its output
+            assert theirs[i][0][: len(ours[i][0])] == ours[i][0]
+        else:
+            assert ours[i][0] == theirs[i][0], i
+    assert len(ours[0][0]) < 8
+
+
+def test_a_prompt_starts_decoding_in_the_step_its_prefill_ends(model: Any) -> None:
+    """mlx-lm moves it at the start of the next step: its first token comes a step later."""
+    firsts = []
+    for gen in generators(model):
+        gen.insert([[5, 6, 7, 8]], max_tokens=[2])
+        steps = 0
+        while True:
+            steps += 1
+            if gen.next()[1]:
+                break
+        firsts.append(steps)
+        gen.close()
+    assert firsts == [3, 2]
+
+
+class Recording:
+    """``model`` that records (batch, length, single-sequence cache?) of every call."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kw: Any) -> Any:
+        self.calls.append((inputs.shape[0], inputs.shape[1], isinstance(cache[0], KVCache)))
+        return self.model(inputs, cache=cache, **kw)
+
+
+def test_only_real_tokens_are_computed(model: Any) -> None:
+    """Each prompt is prefilled alone at its own length: no padding rows."""
+    prompts = mixed_prompts(7, seed=3)
+    ours, theirs = Recording(model), Recording(model)
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 5, "prefill_batch_size": 3,
+                          "prefill_step_size": 32}
+    run(EngineBatchGenerator(ours, logprob_uids=set(), **kw), prompts)
+    run(BatchGenerator(theirs, **kw), prompts)
+    prefill = [(b, n) for b, n, single in ours.calls if single]
+    assert prefill and all(b == 1 for b, _ in prefill)
+    # all but each prompt's last token, each computed once
+    assert sum(n for _, n in prefill) == sum(len(p) - 1 for p in prompts)
+    # mlx-lm pads each group to its longest prompt: same schedule, more rows
+    assert not any(single for _, _, single in theirs.calls)
+    rows = [sum(b * n for b, n, _ in r.calls) for r in (ours, theirs)]
+    assert rows[0] < rows[1]
+
+
+def test_split_moves_rows_without_copying(model: Any) -> None:
+    caches = [make_prompt_cache(model) for _ in range(4)]
+    batch = EnginePromptBatch(model, [10, 11, 12, 13], caches, samplers=[None] * 4,
+                              logits_processors=[()] * 4, max_tokens=[8] * 4)
+    batch.prompt([[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]])
+    moved = batch.split([3, 1])
+    assert moved.uids == [11, 13] and batch.uids == [10, 12]
+    assert moved.rows[0] is caches[1] and moved.rows[1] is caches[3]
+    assert batch.rows[0] is caches[0] and batch.rows[1] is caches[2]
+    assert batch.tokens == [[5, 6, 7], [9, 10]]
+    # the generator's cache size (the prefix cache's budget) counts every row cache
+    gen = EngineBatchGenerator(model, logprob_uids=set(), stop_tokens=[])
+    gen._prompt_batch = batch
+    assert gen.prompt_cache_nbytes == sum(c.nbytes for row in caches[::2] for c in row) > 0
+    gen.close()
+    assert batch.extract_cache(1) is caches[2]
+
+
+def test_the_decode_batch_stays_within_its_size(model: Any) -> None:
+    prompts = mixed_prompts(9, seed=4)
+    widest = []
+    for gen in generators(model):  # completion_batch_size 5
+        gen.insert(prompts, max_tokens=[6] * len(prompts))
+        most = 0
+        while len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+            gen.next()
+            most = max(most, len(gen._generation_batch))
+        gen.close()
+        widest.append(most)
+    assert widest[1] <= max(widest[0], 5)

@@ -1,0 +1,276 @@
+"""SSE encoder: exact JSON, chunk shapes, twin equivalence, the openai SDK as a client."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afm_core._stream.events import (
+    ContentDelta,
+    Finish,
+    LogprobsDelta,
+    Profile,
+    ReasoningDelta,
+    StreamError,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+
+C = importlib.import_module("afm_core._stream.sse_c")
+PY = importlib.import_module("afm_core._stream.sse_py")
+
+
+@pytest.fixture(params=["c", "py"])
+def mod(request: pytest.FixtureRequest) -> ModuleType:
+    return C if request.param == "c" else PY
+
+
+def encoder(mod: ModuleType, **kw: Any) -> Any:
+    return mod.SSEEncoder("chatcmpl-abc", 1700000000, "afm/test", **kw)
+
+
+def frames(data: bytes) -> list[Any]:
+    assert not data or data.endswith(b"\n\n")
+    out = []
+    for block in data.split(b"\n\n")[:-1]:
+        assert block.startswith(b"data: ")
+        payload = block[6:].decode("utf-8")
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+TRICKY = ['a"b\\c', "\n\r\t\b\f\x00\x1f\x7f", "中文 😀 é", "\u2028\u2029", "</script>", ""]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_content_frame_is_exactly_json_dumps(mod: ModuleType, text: str) -> None:
+    enc, ref = encoder(mod), encoder(mod)
+    for event in (ContentDelta(text), ReasoningDelta(text), ContentDelta(text)):
+        data = enc.encode(event)
+        assert data == b"data: " + dumps(ref.chunk(event)) + b"\n\n"
+
+
+def test_lone_surrogates_do_not_crash(mod: ModuleType) -> None:
+    enc = encoder(mod)
+    for text in ("\ud800", "a\udfffb", "\udc00\ud800"):
+        (chunk,) = frames(enc.encode(ContentDelta(text)))
+        assert chunk["choices"][0]["delta"]["content"] == text
+    (chunk,) = frames(enc.encode(Profile({"k": "\ud800"})))
+    assert chunk == {"afm_profile": {"k": "\ud800"}}
+    assert mod.escape_json_string("\ud800x") == b'"\\ud800x"'
+
+
+def test_chunk_shapes(mod: ModuleType) -> None:
+    enc = encoder(mod, system_fingerprint="fp_1")
+    head = {
+        "id": "chatcmpl-abc",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "afm/test",
+        "system_fingerprint": "fp_1",
+    }
+
+    def choice(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> Any:
+        return {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    events = [
+        ContentDelta("Hi"),
+        ReasoningDelta("hmm"),
+        ToolCallDelta(0, '{"pa', id="call_1", name="read_file"),
+        ToolCallDelta(0, 'th":1}'),
+        ToolCallDelta(1, "{}", id="call_2", name="g"),
+        Finish("tool_calls"),
+        Usage(18, 9, cached_tokens=4),
+        Profile({"decode_tps": 50.0}),
+        Profile({"summary": {}, "samples": []}, extended=True),
+    ]
+    got = [frames(enc.encode(e))[0] for e in events]
+    assert got == [
+        choice({"role": "assistant", "content": "Hi"}),
+        choice({"reasoning_content": "hmm"}),
+        choice(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"pa'},
+                    }
+                ]
+            }
+        ),
+        choice({"tool_calls": [{"index": 0, "function": {"arguments": 'th":1}'}}]}),
+        choice(
+            {
+                "tool_calls": [
+                    {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+                ]
+            }
+        ),
+        choice({}, "tool_calls"),
+        {
+            **head,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 18,
+                "completion_tokens": 9,
+                "total_tokens": 27,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
+        },
+        {"afm_profile": {"decode_tps": 50.0}},
+        {"afm_profile_extended": {"summary": {}, "samples": []}},
+    ]
+    assert enc.done() == mod.DONE == b"data: [DONE]\n\n"
+
+
+def test_role_rides_on_the_first_choice_chunk(mod: ModuleType) -> None:
+    enc = encoder(mod)
+    (chunk,) = frames(enc.encode(Finish("stop")))
+    assert chunk["choices"][0]["delta"] == {"role": "assistant"}
+    enc = encoder(mod)
+    (chunk,) = frames(enc.encode(ToolCallDelta(3, "x")))
+    assert chunk["choices"][0]["delta"]["role"] == "assistant"
+    (chunk,) = frames(enc.encode(ToolCallDelta(3, "y")))
+    assert chunk["choices"][0]["delta"] == {"tool_calls": [{"index": 3, "function": {"arguments": "y"}}]}
+
+
+def test_error_chunk(mod: ModuleType) -> None:
+    (chunk,) = frames(encoder(mod).encode(StreamError("boom", code="generation_failed")))
+    assert chunk["choices"] == []
+    assert chunk["error"] == {
+        "message": "boom",
+        "type": "server_error",
+        "param": None,
+        "code": "generation_failed",
+    }
+
+
+def test_logprobs_merge_and_clamp(mod: ModuleType) -> None:
+    lp = LogprobsDelta((TokenLogprob("Hi", float("-inf"), (72, 105), (TopLogprob("Hi", -0.1, None),)),))
+    enc = encoder(mod)
+    merged = frames(enc.encode_many([ContentDelta("Hi"), lp, ContentDelta("!")]))
+    assert len(merged) == 2
+    first = merged[0]["choices"][0]
+    assert first["delta"] == {"role": "assistant", "content": "Hi"}
+    assert first["logprobs"] == {
+        "content": [
+            {
+                "token": "Hi",
+                "logprob": -9999.0,
+                "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": None}],
+            }
+        ]
+    }
+    (alone,) = frames(enc.encode(lp))
+    assert alone["choices"][0]["delta"] == {} and alone["choices"][0]["logprobs"]["content"]
+
+
+def test_encode_many_equals_concatenated_encode(mod: ModuleType) -> None:
+    events = [ContentDelta("a"), ReasoningDelta("b"), ToolCallDelta(0, "c", id="call_x", name="n"), Finish("stop")]
+    a, b = encoder(mod), encoder(mod)
+    assert a.encode_many(events) == b"".join(b.encode(e) for e in events)
+    assert encoder(mod).encode_many(iter(events[:1])) == encoder(mod).encode(events[0])
+    assert encoder(mod).encode_many([]) == b""
+
+
+def test_not_an_event(mod: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        encoder(mod).encode("text")  # type: ignore[arg-type]
+
+
+# -- Hypothesis: twins are byte-identical --------------------------------------
+
+text = st.text(alphabet=st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=20)
+event = st.one_of(
+    st.builds(ContentDelta, text),
+    st.builds(ReasoningDelta, text),
+    st.builds(ToolCallDelta, st.integers(0, 3), text),
+    st.builds(ToolCallDelta, st.integers(0, 3), text, id=st.just("call_1"), name=text),
+    st.builds(Finish, st.sampled_from(["stop", "length", "tool_calls", "cancelled"])),
+    st.builds(Usage, st.integers(0, 10**6), st.integers(0, 10**6)),
+    st.builds(Profile, st.dictionaries(text, text, max_size=2), st.booleans()),
+    st.builds(StreamError, text),
+    st.builds(LogprobsDelta, st.lists(st.builds(TokenLogprob, text, st.floats(), st.none()), max_size=2).map(tuple)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(event, max_size=8), fp=st.one_of(st.none(), text), model=text)
+def test_twins_identical_and_parse_back(events: list[Any], fp: str | None, model: str) -> None:
+    c = C.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    py = PY.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    ref = PY.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    data = c.encode_many(events)
+    assert data == py.encode_many(events)
+    assert frames(data) == json.loads(json.dumps(ref.chunks(events), allow_nan=False))
+
+
+# -- the official SDK as a client ----------------------------------------------
+
+
+def sdk_stream(body: bytes) -> Any:
+    import httpx2
+    from openai import OpenAI
+    from openai._streaming import Stream
+    from openai.types.chat import ChatCompletionChunk
+
+    client = OpenAI(api_key="test", base_url="http://127.0.0.1:9/v1")
+    request = httpx2.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    response = httpx2.Response(200, content=body, request=request, headers={"content-type": "text/event-stream"})
+    return Stream(cast_to=ChatCompletionChunk, response=response, client=client)
+
+
+def test_openai_sdk_parses_our_stream(mod: ModuleType) -> None:
+    from openai.types.chat import ChatCompletionChunk
+
+    enc = encoder(mod)
+    body = enc.encode_many(
+        [
+            ReasoningDelta("think"),
+            ContentDelta("Hello 中文"),
+            ToolCallDelta(0, '{"a"', id="call_1", name="f"),
+            ToolCallDelta(0, ":1}"),
+            Finish("tool_calls"),
+            Usage(3, 5),
+        ]
+    ) + enc.done()
+    chunks = list(sdk_stream(body))
+    assert len(chunks) == 6
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == "Hello 中文"
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks[2:4]]
+    assert calls[0].id == "call_1" and calls[0].function.name == "f"
+    assert "".join(c.function.arguments for c in calls) == '{"a":1}'
+    assert chunks[4].choices[0].finish_reason == "tool_calls"
+    assert chunks[5].choices == [] and chunks[5].usage.total_tokens == 8
+
+
+def test_openai_sdk_raises_on_error_chunk(mod: ModuleType) -> None:
+    import openai
+
+    enc = encoder(mod)
+    body = enc.encode(ContentDelta("partial")) + enc.encode(StreamError("GPU fell over")) + enc.done()
+    stream = sdk_stream(body)
+    assert next(stream).choices[0].delta.content == "partial"
+    with pytest.raises(openai.APIError, match="GPU fell over"):
+        next(stream)

@@ -1,0 +1,58 @@
+"""Shared helpers for the tool-call tracker tests (c and py twins)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from types import ModuleType
+from typing import Any
+
+from afm_core._stream.events import ContentDelta, ToolCallDelta
+from afm_core._stream.toolcalls.registry import make_tool_tracker
+
+C = importlib.import_module("afm_core._stream.tools_c")
+PY = importlib.import_module("afm_core._stream.tools_py")
+TWINS = {"c": C, "py": PY}
+
+
+def tool(name: str, properties: dict[str, Any] | None = None) -> dict[str, Any]:
+    params = {"type": "object", "properties": properties or {}}
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def ids() -> Any:
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def tracker(mod: ModuleType, fmt: str, tools: Any = None, **kw: Any) -> Any:
+    return make_tool_tracker(fmt, tools=tools, impl=mod, id_factory=ids(), **kw)
+
+
+def run(mod: ModuleType, fmt: str, text: str, cuts: list[int] | None = None,
+        tools: Any = None, **kw: Any) -> tuple[list[Any], Any]:
+    """Feed ``text`` split at ``cuts`` (None: one piece); events and the tracker."""
+    t = tracker(mod, fmt, tools, **kw)
+    events: list[Any] = []
+    last = 0
+    for c in [*sorted(set(cuts or [])), len(text)]:
+        events += t.feed(text[last:c])
+        last = c
+    events += t.flush()
+    return events, t
+
+
+def merged(events: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Content and calls merged the way a correct client does (checking fragment shape)."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if isinstance(e, ToolCallDelta):
+            if e.index not in calls:
+                assert e.id is not None and e.name is not None, "first fragment names the call"
+                assert e.index == len(calls), "indices count up from 0"
+                calls[e.index] = {"id": e.id, "name": e.name, "arguments": ""}
+            else:
+                assert e.id is None and e.name is None, "later fragments carry arguments only"
+            calls[e.index]["arguments"] += e.arguments
+    return content, [calls[i] for i in sorted(calls)]
