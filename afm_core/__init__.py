@@ -14,6 +14,8 @@ from ._engine.engine import Engine as Engine
 from ._engine.engine import EngineConfig as EngineConfig
 from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
+from ._engine.runtime import RuntimeInfo as RuntimeInfo
+from ._engine.runtime import runtime_info as runtime_info
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError
 from ._errors import DuplicateRequestError as DuplicateRequestError
@@ -82,6 +84,7 @@ __all__ = [
     "ReasoningDelta",
     "ReasoningSplitter",
     "RequestError",
+    "RuntimeInfo",
     "SSEEncoder",
     "StreamError",
     "StreamErrorChunk",
@@ -103,4 +106,5 @@ __all__ = [
     "make_tool_tracker",
     "open_engine",
     "resolve_model",
+    "runtime_info",
 ]
