@@ -32,10 +32,12 @@ bench: install
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/serve_bench.py --interleave --rounds 3
 
+# ruff, mypy, and the import layers (pyproject.toml [tool.importlinter]).
 lint: install
-	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1"
+	$(PY) -m pip install -q "ruff==0.17.6" "mypy==2.4.1" "import-linter==2.16"
 	$(VENV)/bin/ruff check afm_core afm_http tests benchmarks
 	$(VENV)/bin/mypy afm_core afm_http
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
