@@ -24,21 +24,11 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from ._errors import ConnectError, HTTPClientError, TransportError
+
 __all__ = ["Client", "ConnectError", "HTTPClientError", "Response", "TransportError"]
 
 READ_SIZE = 65536
-
-
-class HTTPClientError(Exception):
-    """A request that got no complete HTTP answer."""
-
-
-class ConnectError(HTTPClientError):
-    """The server did not accept the connection."""
-
-
-class TransportError(HTTPClientError):
-    """The connection failed, or the server's bytes were not valid HTTP/1.1."""
 
 
 _BROKEN = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from ._http import Client, ConnectError, TransportError
+from ._errors import ConnectError, TransportError
+from ._http import Client
 from ._results import RequestResult, RunResult
 from ._workload import Workload
 

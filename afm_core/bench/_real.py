@@ -35,6 +35,7 @@ import httpx
 import trio
 
 from . import _loadgen, _servers
+from ._errors import ServerStartError
 from ._raw import RawRunner
 from ._real_report import LLAMACPP, build_real_report
 from ._report import OURS, PEER, RAW, RAW_KERNELS
@@ -315,7 +316,7 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
         try:
             running = await stack.enter_async_context(_servers.serving_process(
                 spec, port, log_dir, startup_timeout=cfg.startup_timeout))
-        except _servers.ServerStartError as exc:
+        except ServerStartError as exc:
             skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
             _log(skipped[spec.name])
             return None

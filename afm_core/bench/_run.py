@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from . import _loadgen, _servers
+from ._errors import ServerStartError
 from ._raw import RawRunner
 from ._report import OURS, RAW, RAW_KERNELS, build_report
 from ._results import RunResult
@@ -259,7 +260,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         try:
             base = await stack.enter_async_context(
                 _servers.serving(spec, port, log_dir, startup_timeout=cfg.startup_timeout))
-        except _servers.ServerStartError as exc:
+        except ServerStartError as exc:
             skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
             _log(skipped[spec.name])
             return None

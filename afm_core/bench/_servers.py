@@ -25,11 +25,9 @@ from pathlib import Path
 import httpx
 import trio
 
+from ._errors import ServerStartError
+
 HOST = "127.0.0.1"
-
-
-class ServerStartError(RuntimeError):
-    """The server exited or did not become healthy in time."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ import pytest
 import trio
 
 import afm_core.bench as bench
-from afm_core.bench._http import Client, ConnectError, TransportError
+from afm_core.bench._errors import ConnectError, TransportError
+from afm_core.bench._http import Client
 from afm_core.bench._loadgen import Target
 from afm_core.bench._workload import make_workload
 
