@@ -21,6 +21,7 @@ import argparse
 import collections
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +34,9 @@ import mlx.core as mx
 
 from afm_core._mlx.batch import install
 from afm_core._mlx.fusion import fuse_cpu_kernels, unfuse_cpu_kernels
-from afm_core.testing import make_random_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import load_model
 
 
 def _prompts(tok: Any, n: int) -> list[list[int]]:
@@ -99,16 +102,13 @@ def decode_rate(model: Any, tok: Any, c: int, max_tokens: int) -> tuple[float, l
 
 
 def main() -> None:
-    import mlx_lm
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    path = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
-    model, tok = mlx_lm.load(str(path))
+    model, tok, path = load_model(args.model)
     print(f"model: {path}  device: {mx.default_device()}\n")
 
     plain = census(model, tok, 1)

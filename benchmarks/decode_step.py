@@ -21,9 +21,7 @@ MLX's own).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +38,8 @@ from afm_core._models import loader as _loader
 from afm_core._models.default_model import ensure_default_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median_seconds
 from cpu_fusion import census
-
-
-def _timed(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def products(model: Any) -> tuple[Any, int]:
@@ -107,9 +96,9 @@ def main() -> None:
         token = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(token)
 
-    step_s = _timed(step, args.steps)
+    step_s = median_seconds(step, args.steps)
     run, nbytes = products(model)
-    prod_s = _timed(run, args.steps)
+    prod_s = median_seconds(run, args.steps)
     print(f"decode step       {step_s * 1e3:8.2f} ms  ({1 / step_s:6.2f} tok/s)")
     print(f"weight products   {prod_s * 1e3:8.2f} ms  ({nbytes / 1e6:.0f} MB read, "
           f"{nbytes / prod_s / 1e9:.1f} GB/s)  {100 * prod_s / step_s:5.1f}%")

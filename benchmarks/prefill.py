@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -36,7 +36,9 @@ import mlx.core as mx
 from afm_core._mlx.fusion import fuse_for_cpu
 from afm_core._mlx.prefill import EngineBatchGenerator
 from afm_core.bench._workload import make_workload
-from afm_core.testing import make_random_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import load_model
 
 
 class Counting:
@@ -82,16 +84,13 @@ def closed_loop(model: Any, prompts: list[list[int]], max_tokens: list[int], c: 
 
 
 def main() -> None:
-    import mlx_lm
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--levels", default="8,32,64")
     ap.add_argument("--requests-per-slot", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    path = args.model or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
-    model, tok = mlx_lm.load(str(path))
+    model, tok, path = load_model(args.model)
     fuse_for_cpu(model)
     print(f"model: {path}  device: {mx.default_device()}\n")
     print(f"{'C':>4} {'prompt rows mlx-lm':>19} {'engine':>8} {'mlx-lm tok/s':>13} {'engine tok/s':>13} "

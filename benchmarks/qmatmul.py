@@ -22,16 +22,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import afm_core  # noqa: F401  (first: binds MLX's BLAS at libmlx's load, see afm_core._mlx.blas)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 
-import afm_core  # noqa: F401  (binds OpenBLAS under MLX before mlx computes)
 from afm_core._mlx import qmatmul as _qmatmul
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median_seconds
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
 PROMPTS = [
@@ -43,13 +49,7 @@ PROMPTS = [
 
 
 def _ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, reps) * 1e3
 
 
 def products(rows_list: list[int]) -> None:

@@ -1,0 +1,42 @@
+"""Helpers shared by the benchmark scripts.
+
+Import it before mlx: it imports ``afm_core`` first, which binds MLX's BLAS
+calls to OpenBLAS (``afm_core._mlx.blas``); ``libmlx`` binds at load, so a
+script that imported ``mlx`` first would measure the reference BLAS.
+"""
+
+from __future__ import annotations
+
+import afm_core  # noqa: F401  (first of all: see above)
+
+# isort: split
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_model", "median_seconds"]
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def load_model(path: Path | None) -> tuple[Any, Any, Path]:
+    """``mlx_lm.load`` of ``path``, or of a fresh random tiny test model when None."""
+    import mlx_lm
+
+    from afm_core.testing import make_random_model
+
+    path = path or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
+    model, tok = mlx_lm.load(str(path))
+    return model, tok, path
