@@ -25,7 +25,7 @@ from functools import partial
 import httpx
 import trio
 
-from afm_core.bench._http import Client
+from afm_core.bench._http import Client, read_request
 from afm_core.bench._loadgen import SSEParser
 from afm_core.bench._servers import free_port
 
@@ -35,20 +35,9 @@ FRAME = b"data: " + json.dumps({"id": "chatcmpl-x", "object": "chat.completion.c
 
 async def stub_server(port: int, chunks: int, gap: float) -> None:
     async def handle(stream: trio.SocketStream) -> None:
-        buf = b""
+        buf = bytearray()
         async with stream:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                              if h.lower().startswith(b"content-length:"))
-                while len(buf) < length:
-                    buf += await stream.receive_some(65536)
-                buf = buf[length:]
+            while await read_request(stream, buf) is not None:
                 await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                       b"Transfer-Encoding: chunked\r\n\r\n")
                 for _ in range(chunks):

@@ -26,7 +26,7 @@ import trio
 
 from ._errors import ConnectError, HTTPClientError, TransportError
 
-__all__ = ["Client", "ConnectError", "HTTPClientError", "Response", "TransportError"]
+__all__ = ["Client", "ConnectError", "HTTPClientError", "Response", "TransportError", "read_request"]
 
 READ_SIZE = 65536
 
@@ -170,3 +170,29 @@ class Client:
         except OSError as exc:
             raise ConnectError(f"{self.host}:{self.port}: {exc}") from None
         return _Connection(stream)
+
+
+async def read_request(stream: trio.abc.ReceiveStream,
+                       buf: bytearray) -> tuple[dict[str, str], bytes] | None:
+    """The server side, for the stub servers of tests and benchmarks: the next
+    request's headers (lower-case names, plus ``:request-line``) and body, or
+    None when the peer closed first.  ``buf`` carries bytes read past the
+    request over to the next call on the same connection."""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some(READ_SIZE)
+        if not data:
+            return None
+        buf += data
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    headers[":request-line"] = lines[0]
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        data = await stream.receive_some(READ_SIZE)
+        if not data:
+            return None
+        rest += data
+    del buf[:]
+    buf += rest[length:]
+    return headers, rest[:length]

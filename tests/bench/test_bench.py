@@ -16,6 +16,7 @@ import pytest
 import trio
 
 import afm_core.bench as bench
+from afm_core.bench._http import read_request
 from afm_core.bench._loadgen import SSEParser, StreamObserver, Target, require_loopback
 from afm_core.bench._report import build_report, compare, format_table
 from afm_core.bench._results import RequestResult, RunResult
@@ -225,18 +226,10 @@ async def _stub_server(nursery: trio.Nursery, *, stall: bool) -> int:
     SSE body (or headers, one chunk and then silence when ``stall``)."""
 
     async def handle(stream: trio.SocketStream) -> None:
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            buf += data
-        head, _, rest = buf.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(rest) < length:
-            rest += await stream.receive_some(65536)
-        body = json.loads(rest)
+        req = await read_request(stream, bytearray())
+        if req is None:
+            return
+        body = json.loads(req[1])
         await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                               b"Connection: close\r\n\r\n")
         if stall:

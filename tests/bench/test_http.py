@@ -13,29 +13,11 @@ import trio
 
 import afm_core.bench as bench
 from afm_core.bench._errors import ConnectError, TransportError
-from afm_core.bench._http import Client
+from afm_core.bench._http import Client, read_request
 from afm_core.bench._loadgen import Target
 from afm_core.bench._workload import make_workload
 
 Reply = Callable[[trio.SocketStream, dict[str, str], bytes], Awaitable[bool]]
-
-
-async def _read_request(stream: trio.SocketStream, buf: bytearray) -> tuple[dict[str, str], bytes] | None:
-    while b"\r\n\r\n" not in buf:
-        data = await stream.receive_some(65536)
-        if not data:
-            return None
-        buf += data
-    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
-    headers[":request-line"] = lines[0]
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        rest += await stream.receive_some(65536)
-    del buf[:]
-    buf += rest[length:]
-    return headers, rest[:length]
 
 
 async def _serve(nursery: trio.Nursery, reply: Reply) -> tuple[int, list[int]]:
@@ -48,7 +30,7 @@ async def _serve(nursery: trio.Nursery, reply: Reply) -> tuple[int, list[int]]:
         per_connection.append(0)
         buf = bytearray()
         async with stream:
-            while (req := await _read_request(stream, buf)) is not None:
+            while (req := await read_request(stream, buf)) is not None:
                 per_connection[n] += 1
                 if not await reply(stream, *req):
                     return
