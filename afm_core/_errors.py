@@ -8,7 +8,8 @@
     ├── EngineClosedError       engine shut down / not running (503)
     ├── DuplicateRequestError   a request id already in flight (409)
     ├── ModelLoadError          a model could not be found, converted or loaded
-    │   └── GGUFError           a GGUF file is malformed or unsupported
+    │   ├── GGUFError           a GGUF file is malformed or unsupported
+    │   └── UnsupportedDecoderError  the tokenizer's decoder is unknown to the detokenizer
     ├── GenerationError         generation failed for one request after it began
     └── StreamProtocolError     a chunk stream violates the wire contract
         └── StreamErrorChunk    the stream carried an error-marked chunk
@@ -103,6 +104,12 @@ class ModelLoadError(AFMError):
 
 class GGUFError(ModelLoadError):
     code = "gguf_unsupported"
+
+
+class UnsupportedDecoderError(ModelLoadError):
+    """The tokenizer's decoder is not one the incremental detokenizer knows."""
+
+    code = "tokenizer_unsupported"
 
 
 class GenerationError(AFMError):

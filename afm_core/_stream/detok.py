@@ -9,6 +9,5 @@ COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
 
 DecoderTables = _impl.DecoderTables
 IncrementalDetokenizer = _impl.IncrementalDetokenizer
-UnsupportedDecoderError = _impl.UnsupportedDecoderError
 
-__all__ = ["DecoderTables", "IncrementalDetokenizer", "UnsupportedDecoderError"]
+__all__ = ["DecoderTables", "IncrementalDetokenizer"]

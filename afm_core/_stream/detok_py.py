@@ -22,9 +22,9 @@ from codecs import utf_8_decode
 from collections.abc import Iterable
 from typing import Any
 
-from .detok_tables import BYTE, SKIP, TEXT, DecoderTables, UnsupportedDecoderError
+from .detok_tables import BYTE, SKIP, TEXT, DecoderTables
 
-__all__ = ["DecoderTables", "IncrementalDetokenizer", "UnsupportedDecoderError"]
+__all__ = ["DecoderTables", "IncrementalDetokenizer"]
 
 
 class IncrementalDetokenizer:

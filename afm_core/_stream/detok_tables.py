@@ -12,7 +12,7 @@ Built once per tokenizer from its ``tokenizer.json`` decoder config:
   ``Metaspace``.  ``<0xNN>`` tokens are raw bytes; a run of them decodes as
   UTF-8 or, if invalid, to one U+FFFD per byte token, like ``ByteFallback``.
 
-Anything else raises :class:`UnsupportedDecoderError`.
+Anything else raises :class:`afm_core._errors.UnsupportedDecoderError`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ModelLoadError
+from .._errors import UnsupportedDecoderError
 
 __all__ = [
     "BYTE",
@@ -29,7 +29,6 @@ __all__ = [
     "SKIP",
     "TEXT",
     "DecoderTables",
-    "UnsupportedDecoderError",
     "backend_tokenizer",
     "byte_decoder",
 ]
@@ -39,12 +38,6 @@ SKIP = 0  # dropped (skipped special token or unknown id)
 TEXT = 1  # ``texts[id]`` is the token's standalone text
 RAW = 2  # byte_level: ``raws[id]`` is not valid UTF-8 on its own
 BYTE = 3  # sentencepiece: a ``<0xNN>`` byte-fallback token, value ``bytevals[id]``
-
-
-class UnsupportedDecoderError(ModelLoadError):
-    """The tokenizer's decoder is not one the incremental detokenizer knows."""
-
-    code = "tokenizer_unsupported"
 
 
 def byte_decoder() -> dict[str, int]:

@@ -4,9 +4,9 @@
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM
 
-from afm_core._stream.detok_tables import DecoderTables, UnsupportedDecoderError
+from afm_core._stream.detok_tables import DecoderTables
 
-__all__ = ["DecoderTables", "IncrementalDetokenizer", "UnsupportedDecoderError"]
+__all__ = ["DecoderTables", "IncrementalDetokenizer"]
 
 cdef extern from "Python.h":
     object PyUnicode_DecodeUTF8Stateful(const char* s, Py_ssize_t size, const char* errors, Py_ssize_t* consumed)

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afm_core._stream.detok_tables import DecoderTables, UnsupportedDecoderError
+from afm_core._errors import UnsupportedDecoderError
+from afm_core._stream.detok_tables import DecoderTables
 from tests.stream import tokenizers as toks
 
 TWINS = ("c", "py")
