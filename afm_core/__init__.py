@@ -41,6 +41,7 @@ from ._stream.events import LogprobsDelta as LogprobsDelta
 from ._stream.events import Profile as Profile
 from ._stream.events import ReasoningDelta as ReasoningDelta
 from ._stream.events import StreamError as StreamError
+from ._stream.events import StreamFailure as StreamFailure
 from ._stream.events import TokenLogprob as TokenLogprob
 from ._stream.events import ToolCallDelta as ToolCallDelta
 from ._stream.events import TopLogprob as TopLogprob
@@ -52,6 +53,7 @@ from ._stream.structured import StructuredOutput as StructuredOutput
 from ._stream.structured import StructuredResult as StructuredResult
 from ._stream.structured import make_structured_output as make_structured_output
 from ._stream.toolcalls.base import ToolCallError as ToolCallError
+from ._stream.toolcalls.base import ToolCallFailure as ToolCallFailure
 from ._stream.toolcalls.registry import guess_tool_format as guess_tool_format
 from ._stream.toolcalls.registry import make_tool_tracker as make_tool_tracker
 from ._stream.tools import ToolCallTracker as ToolCallTracker
@@ -88,12 +90,14 @@ __all__ = [
     "SSEEncoder",
     "StreamError",
     "StreamErrorChunk",
+    "StreamFailure",
     "StreamProtocolError",
     "StructuredOutput",
     "StructuredResult",
     "TokenLogprob",
     "ToolCallDelta",
     "ToolCallError",
+    "ToolCallFailure",
     "ToolCallTracker",
     "TopLogprob",
     "UnsupportedError",

@@ -3,7 +3,7 @@
 Frozen, slotted dataclasses; every layer speaks them.  A stream is a sequence
 of deltas (content, reasoning, tool-call fragments, logprobs) followed by one
 ``Finish``, an optional ``Usage``, an optional ``Profile``, or a
-``StreamError`` in place of the finish when generation failed.
+``StreamFailure`` in place of the finish when generation failed.
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ class Profile:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamError:
-    """A generation error after the stream began (an error-marked chunk)."""
+class StreamFailure:
+    """A generation error after the stream began (an error-marked chunk).
+
+    An event, not an exception.  ``StreamError`` (also ``afm_core.StreamError``)
+    is its former name, kept as an alias of this class.
+    """
 
     message: str
     type: str = "server_error"
@@ -116,5 +120,7 @@ class StreamError:
         return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
 
 
+StreamError = StreamFailure  # the former name (public as afm_core.StreamError)
+
 Delta = ContentDelta | ReasoningDelta | ToolCallDelta | LogprobsDelta
-Event = Delta | Finish | Usage | Profile | StreamError
+Event = Delta | Finish | Usage | Profile | StreamFailure

@@ -28,7 +28,7 @@ from .events import (
     LogprobsDelta,
     Profile,
     ReasoningDelta,
-    StreamError,
+    StreamFailure,
     TokenLogprob,
     ToolCallDelta,
     Usage,
@@ -181,7 +181,7 @@ class SSEEncoder:
             return chunk
         if type(event) is Profile:
             return {event.key: event.payload}
-        if type(event) is StreamError:
+        if type(event) is StreamFailure:
             chunk = dict(self._head)
             chunk["choices"] = []
             chunk["error"] = event.to_dict()

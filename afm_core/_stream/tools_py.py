@@ -44,7 +44,7 @@ from .toolcalls.base import (
     DROPPED,
     EMIT,
     UNKNOWN,
-    ToolCallError,
+    ToolCallFailure,
     ToolFormat,
     new_call_id,
     partial,
@@ -93,7 +93,7 @@ class ToolCallTracker:
         self.scan_failed = False
         self.calls = 0
         self.dropped = 0
-        self.errors: list[ToolCallError] = []
+        self.errors: list[ToolCallFailure] = []
         fmt.start(self)
 
     # -- results --------------------------------------------------------------
@@ -207,15 +207,15 @@ class ToolCallTracker:
         try:
             value = json.loads(text)
         except ValueError as exc:
-            self.errors.append(ToolCallError(index, f"arguments are not valid JSON: {exc}"))
+            self.errors.append(ToolCallFailure(index, f"arguments are not valid JSON: {exc}"))
             return
         if not isinstance(value, dict):
-            self.errors.append(ToolCallError(index, "arguments are not a JSON object"))
+            self.errors.append(ToolCallFailure(index, "arguments are not a JSON object"))
 
     def fail(self, message: str) -> None:
         """Close the open call as malformed (its fragments stay as streamed)."""
         if self._index >= 0:
-            self.errors.append(ToolCallError(self._index, message))
+            self.errors.append(ToolCallFailure(self._index, message))
             self._index = -1
             self._pieces = []
 

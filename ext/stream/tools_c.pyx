@@ -16,7 +16,7 @@ from afm_core._stream.toolcalls.base import DROP as _DROP
 from afm_core._stream.toolcalls.base import DROPPED as _DROPPED
 from afm_core._stream.toolcalls.base import EMIT as _EMIT
 from afm_core._stream.toolcalls.base import UNKNOWN as _UNKNOWN
-from afm_core._stream.toolcalls.base import ToolCallError as _ToolCallError
+from afm_core._stream.toolcalls.base import ToolCallFailure as _ToolCallFailure
 from afm_core._stream.toolcalls.base import new_call_id as _new_call_id
 
 __all__ = ["ToolCallTracker"]
@@ -41,7 +41,7 @@ cdef extern from *:
 
 cdef object ContentDelta = _ContentDelta
 cdef object ToolCallDelta = _ToolCallDelta
-cdef object ToolCallError = _ToolCallError
+cdef object ToolCallFailure = _ToolCallFailure
 cdef object CONTENT_TEXT = _ContentDelta.__dict__["text"]
 cdef object TC_INDEX = _ToolCallDelta.__dict__["index"]
 cdef object TC_ARGS = _ToolCallDelta.__dict__["arguments"]
@@ -272,15 +272,15 @@ cdef class ToolCallTracker:
         try:
             value = json_loads(text)
         except ValueError as exc:
-            self.errors.append(ToolCallError(index, f"arguments are not valid JSON: {exc}"))
+            self.errors.append(ToolCallFailure(index, f"arguments are not valid JSON: {exc}"))
             return
         if not isinstance(value, dict):
-            self.errors.append(ToolCallError(index, "arguments are not a JSON object"))
+            self.errors.append(ToolCallFailure(index, "arguments are not a JSON object"))
 
     cpdef fail(self, str message):
         """Close the open call as malformed (its fragments stay as streamed)."""
         if self._index >= 0:
-            self.errors.append(ToolCallError(self._index, message))
+            self.errors.append(ToolCallFailure(self._index, message))
             self._index = -1
             self._pieces = []
 

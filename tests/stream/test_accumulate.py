@@ -18,7 +18,7 @@ from afm_core._stream.events import (
     LogprobsDelta,
     Profile,
     ReasoningDelta,
-    StreamError,
+    StreamFailure,
     TokenLogprob,
     ToolCallDelta,
     Usage,
@@ -259,7 +259,7 @@ def test_round_trip_bytes_and_dicts(mod: ModuleType, sse_twin: str) -> None:
 
 def test_round_trip_error_event(mod: ModuleType) -> None:
     enc = SSEEncoder("chatcmpl-e", 1, "m")
-    body = enc.encode_many([ContentDelta("x"), StreamError("oom", code="generation_failed")]) + enc.done()
+    body = enc.encode_many([ContentDelta("x"), StreamFailure("oom", code="generation_failed")]) + enc.done()
     with pytest.raises(StreamErrorChunk, match="oom"):
         mod.accumulate([body])
 

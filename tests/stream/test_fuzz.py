@@ -25,7 +25,7 @@ from afm_core._stream.events import (
     ContentDelta,
     Finish,
     ReasoningDelta,
-    StreamError,
+    StreamFailure,
     ToolCallDelta,
     Usage,
 )
@@ -176,7 +176,7 @@ def test_accumulator_on_arbitrary_chunk_shapes(obj: Any) -> None:
     st.builds(ToolCallDelta, st.integers(0, 3), model_text)), max_size=10))
 def test_error_chunk_after_any_prefix_is_reported(events: list[Any]) -> None:
     enc = SSEEncoder("c", 1, "m")
-    wire = enc.encode_many(events) + enc.encode(StreamError("boom", code="x")) + enc.done()
+    wire = enc.encode_many(events) + enc.encode(StreamFailure("boom", code="x")) + enc.done()
     acc = ChunkAccumulator()
     with pytest.raises(StreamProtocolError, match="boom"):
         acc.feed_bytes(wire)

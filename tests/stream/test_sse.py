@@ -17,7 +17,7 @@ from afm_core._stream.events import (
     LogprobsDelta,
     Profile,
     ReasoningDelta,
-    StreamError,
+    StreamFailure,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -152,7 +152,7 @@ def test_role_rides_on_the_first_choice_chunk(mod: ModuleType) -> None:
 
 
 def test_error_chunk(mod: ModuleType) -> None:
-    (chunk,) = frames(encoder(mod).encode(StreamError("boom", code="generation_failed")))
+    (chunk,) = frames(encoder(mod).encode(StreamFailure("boom", code="generation_failed")))
     assert chunk["choices"] == []
     assert chunk["error"] == {
         "message": "boom",
@@ -207,7 +207,7 @@ event = st.one_of(
     st.builds(Finish, st.sampled_from(["stop", "length", "tool_calls", "cancelled"])),
     st.builds(Usage, st.integers(0, 10**6), st.integers(0, 10**6)),
     st.builds(Profile, st.dictionaries(text, text, max_size=2), st.booleans()),
-    st.builds(StreamError, text),
+    st.builds(StreamFailure, text),
     st.builds(LogprobsDelta, st.lists(st.builds(TokenLogprob, text, st.floats(), st.none()), max_size=2).map(tuple)),
 )
 
@@ -269,7 +269,7 @@ def test_openai_sdk_raises_on_error_chunk(mod: ModuleType) -> None:
     import openai
 
     enc = encoder(mod)
-    body = enc.encode(ContentDelta("partial")) + enc.encode(StreamError("GPU fell over")) + enc.done()
+    body = enc.encode(ContentDelta("partial")) + enc.encode(StreamFailure("GPU fell over")) + enc.done()
     stream = sdk_stream(body)
     assert next(stream).choices[0].delta.content == "partial"
     with pytest.raises(openai.APIError, match="GPU fell over"):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afm_core._stream.events import ContentDelta, ToolCallDelta
-from afm_core._stream.toolcalls.base import ToolCallError, new_call_id, partial
+from afm_core._stream.toolcalls.base import ToolCallFailure, new_call_id, partial
 from afm_core._stream.toolcalls.registry import (
     FORMATS,
     guess_tool_format,
@@ -113,7 +113,7 @@ def test_unclosed_call_at_flush(mod: ModuleType) -> None:
     events, t = run(mod, "hermes", 'x<tool_call>{"name": "f", "arguments": {"a": [1')
     content, calls = merged(events)
     assert content == "x" and calls[0]["arguments"] == '{"a": [1'
-    assert t.errors == [ToolCallError(0, "tool call arguments not finished at end of stream")]
+    assert t.errors == [ToolCallFailure(0, "tool call arguments not finished at end of stream")]
     assert t.saw_tool_call
 
 
@@ -127,14 +127,14 @@ def test_malformed_streamed_arguments_close_with_an_error(mod: ModuleType) -> No
     events, t = run(mod, "hermes", text)
     content, calls = merged(events)
     assert content == "after" and calls[0]["arguments"] == '{"a": '
-    assert t.errors == [ToolCallError(0, "malformed tool call arguments")]
+    assert t.errors == [ToolCallFailure(0, "malformed tool call arguments")]
 
 
 def test_invalid_but_balanced_arguments_are_reported(mod: ModuleType) -> None:
     _, t = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": [tru]}</tool_call>')
     assert len(t.errors) == 1 and t.errors[0].index == 0
     _, t = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>')
-    assert t.errors == [ToolCallError(0, "arguments are not a JSON object")]
+    assert t.errors == [ToolCallFailure(0, "arguments are not a JSON object")]
 
 
 def test_partial_start_tag_is_held_then_released(mod: ModuleType) -> None:
@@ -238,7 +238,7 @@ def test_fuzz_only_documented_outcomes(fmt: str, parallel: bool, data: st.DataOb
         assert len(calls) <= 1
     assert all(c["name"] in ("f", "g") for c in calls)
     for err in t_c.errors:
-        assert isinstance(err, ToolCallError) and err.index is not None and err.index < len(calls)
+        assert isinstance(err, ToolCallFailure) and err.index is not None and err.index < len(calls)
     failed = {e.index for e in t_c.errors}
     for i, c in enumerate(calls):
         if i not in failed:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from afm_core._stream.events import ContentDelta, ToolCallDelta
-from afm_core._stream.toolcalls.base import ToolCallError
+from afm_core._stream.toolcalls.base import ToolCallFailure
 from afm_core._stream.toolcalls.qwen3_coder import convert_value
 from tests.stream.tools_helpers import TWINS, merged, run, tool, tracker
 
@@ -91,7 +91,7 @@ def test_qwen3_unclosed_function_gets_closed_json_and_an_error(mod: ModuleType) 
     for tail in ("<parameter=cmd>\nabc", "<parameter=n>\n4", "<parameter=cmd>\nab\n</parameter>\n"):
         events, t = run(mod, "qwen3_coder", "<tool_call>\n<function=run>\n" + tail, tools=QTOOLS)
         assert isinstance(json.loads(merged(events)[1][0]["arguments"]), dict), tail
-        assert t.errors == [ToolCallError(0, "tool call not closed before the end of the stream")]
+        assert t.errors == [ToolCallFailure(0, "tool call not closed before the end of the stream")]
 
 
 def test_qwen3_parallel_false(mod: ModuleType) -> None:
@@ -167,7 +167,7 @@ def test_mistral_list_form_parallel_false(mod: ModuleType) -> None:
 def test_mistral_unterminated_arguments(mod: ModuleType) -> None:
     events, t = run(mod, "mistral", '[TOOL_CALLS]f[ARGS]{"a": "b')
     assert merged(events)[1][0]["arguments"] == '{"a": "b'
-    assert t.errors == [ToolCallError(0, "tool call arguments not finished at end of stream")]
+    assert t.errors == [ToolCallFailure(0, "tool call arguments not finished at end of stream")]
 
 
 def test_partial_tag_is_released_at_flush(mod: ModuleType) -> None:

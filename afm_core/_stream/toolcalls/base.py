@@ -30,7 +30,7 @@ __all__ = [
     "EMIT",
     "UNKNOWN",
     "JSONCallFormat",
-    "ToolCallError",
+    "ToolCallFailure",
     "ToolFormat",
     "new_call_id",
     "partial",
@@ -51,11 +51,18 @@ HEADER_LIMIT = 512
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallError:
-    """A call that started streaming but ended malformed (``index``), or a note."""
+class ToolCallFailure:
+    """A call that started streaming but ended malformed (``index``), or a note.
+
+    A record in ``tracker.errors``, not an exception.  ``ToolCallError`` (also
+    ``afm_core.ToolCallError``) is its former name, kept as an alias of this class.
+    """
 
     index: int | None
     message: str
+
+
+ToolCallError = ToolCallFailure  # the former name (public as afm_core.ToolCallError)
 
 
 def new_call_id() -> str:

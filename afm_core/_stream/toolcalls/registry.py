@@ -18,7 +18,7 @@ Rules shared by every format (each format module documents its own):
   not turned into content, since they are tool-call markup;
 * malformed calls before any fragment went out are content verbatim;
   after fragments went out the call is closed and an entry is added to
-  ``tracker.errors`` (a ``ToolCallError``); nothing is ever raised for model
+  ``tracker.errors`` (a ``ToolCallFailure``); nothing is ever raised for model
   output.  An unclosed call at ``flush()`` keeps its streamed fragments and
   gets an error (Qwen3-Coder's generated JSON is closed first).
 """
