@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .events import ContentDelta, Event, LogprobsDelta, ReasoningDelta
+from .events import ContentDelta, Event, ReasoningDelta
 from .stops import StopMatcher
 
 __all__ = ["StreamPipeline"]
@@ -57,9 +57,6 @@ class StreamPipeline:
         if text:
             self._route(text, out)
         return stopped
-
-    def add_logprobs(self, entry: LogprobsDelta, out: list[Event]) -> None:
-        out.append(entry)
 
     def finish(self, out: list[Event]) -> None:
         """Flush every stage (end of stream)."""

@@ -44,9 +44,6 @@ cdef class StreamPipeline:
             self._route(text, out)
         return stopped
 
-    def add_logprobs(self, entry, list out):
-        out.append(entry)
-
     def finish(self, list out):
         cdef str text = self._detok.flush()
         if self._stops is not None:
