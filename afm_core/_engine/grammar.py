@@ -37,6 +37,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from .._mlx.tokenizer import hf_tokenizer
+
 log = logging.getLogger("afm.grammar")
 T = TypeVar("T")
 
@@ -149,7 +151,7 @@ def call_schemas(tools: Any, choice: Any, *, strict_only: bool) -> tuple[dict[st
 def is_tag_token(tokenizer: Any, tag: str) -> bool:
     """Whether ``tag`` is one added token of the vocabulary (``<tool_call>``),
     so a grammar can name it as ``<tool_call>``."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     added = _per_tokenizer(_ADDED, hf, lambda: frozenset(
         hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else ()))
     return tag in added and tag.startswith("<") and tag.endswith(">") and ">" not in tag[1:-1]
@@ -158,7 +160,7 @@ def is_tag_token(tokenizer: Any, tag: str) -> bool:
 def _ll_tokenizer(tokenizer: Any) -> Any:
     import llguidance.hf
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
 
     def build() -> Any:
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
@@ -176,7 +178,7 @@ def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, T], hf: Any, build: Cal
         return value
 
 
-def grammar_processor(lark: str, tokenizer: Any, prompt_len: int) -> tuple[Any, bool]:
+def grammar_processor(lark: str, tokenizer: Any, prompt_len: int) -> tuple[GrammarProcessor | None, bool]:
     """``(processor, downgraded)``: a logits processor enforcing ``lark``, or
     ``(None, True)`` when llguidance cannot compile it (best-effort)."""
     import llguidance

@@ -18,19 +18,21 @@ Everything else (the forward pass, logits processors, the pipelined
 operations as mlx-lm's, so outputs are identical.  Every ``SETTLE_EVERY``
 steps the cache state is evaluated too (see there).  :func:`install` swaps the
 batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
-and extends it with each prefilled group).
+and extends it with each prefilled group).  :func:`occupancy` counts where a
+generator's sequences are, so no caller reads its private fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import Sampler
 
-__all__ = ["EngineGenerationBatch", "install"]
+__all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy"]
 
 SETTLE_EVERY = 64
 """Steps between evaluations of the whole cache state.  A model that never
@@ -110,10 +112,34 @@ class EngineGenerationBatch(GenerationBatch):
         return mx.concatenate(parts, axis=0)[mx.array(inverse)]
 
 
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    """Where a ``BatchGenerator``'s sequences are, counted at one moment."""
+
+    decoding: int
+    """Rows of the decode batch (``_generation_batch``)."""
+    prefilling: int
+    """Rows of the prompt batch, being prefilled (``_prompt_batch``)."""
+    waiting: int
+    """Inserted sequences whose prefill has not started (``_unprocessed_sequences``)."""
+
+    @property
+    def empty(self) -> bool:
+        """No sequence anywhere: a step would do nothing."""
+        return not (self.decoding or self.prefilling or self.waiting)
+
+
+def occupancy(gen: BatchGenerator) -> Occupancy:
+    """How many of ``gen``'s sequences wait, prefill and decode (mlx-lm keeps
+    these counts in private fields only)."""
+    return Occupancy(decoding=len(gen._generation_batch), prefilling=len(gen._prompt_batch),
+                     waiting=len(gen._unprocessed_sequences))
+
+
 def install(gen: BatchGenerator, logprob_uids: set[int]) -> None:
     """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
     ``logprob_uids`` (a live set the caller keeps up to date)."""
-    if len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+    if not occupancy(gen).empty:
         raise RuntimeError("install the engine batch before the first insert")
     batch = EngineGenerationBatch.empty(gen.model, gen.sampler)
     batch.logprob_uids = logprob_uids

@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _merge_caches
 
-from .batch import install
+from .batch import Occupancy, install, occupancy
 
 __all__ = ["EngineBatchGenerator", "EnginePromptBatch"]
 
@@ -116,6 +116,10 @@ class EngineBatchGenerator(BatchGenerator):
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
                                  fallback_sampler=self.sampler, **kw)
+
+    def occupancy(self) -> Occupancy:
+        """How many sequences wait, prefill and decode (see :func:`.batch.occupancy`)."""
+        return occupancy(self)
 
     @property
     def prompt_cache_nbytes(self) -> int:
