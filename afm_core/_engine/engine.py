@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -40,11 +40,26 @@ from .._errors import (
     StreamErrorChunk,
 )
 from .._models.loader import ModelInfo
+from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, StreamError, Usage
 from .._stream.request import ChatRequest
+from .commands import (
+    Job,
+    JobKey,
+    Outputs,
+    RequestId,
+    RequestRecord,
+    RequestState,
+    Started,
+    StartFailed,
+    StartUp,
+)
 from .genthread import run_on_generation_thread
 from .mailbox import Mailbox
-from .worker import Job, Outputs, Worker
+from .worker import Worker
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 TERMINAL = (Finish, StreamError)
 WARMUP_WIDTH = 4
@@ -110,22 +125,10 @@ class EngineStatistics:
     ``accelerate``; see ``afm_core._mlx.blas``), once the engine has started."""
 
 
-@dataclass(eq=False)
-class _Handle:
-    request_id: str
-    key: int
-    mailbox: Mailbox
-    t_submit: float
-    submitted: bool = False
-    finished: bool = False
-    cancelled: bool = False
-    first_token: bool = False
-
-
 class ChatStream:
     """One request's events; iterate it, or ``batches()`` for one tuple per step."""
 
-    def __init__(self, *, id: str, created: int, model: str, request_id: str,
+    def __init__(self, *, id: str, created: int, model: str, request_id: RequestId,
                  mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool):
         self.id = id
         self.created = created
@@ -183,8 +186,8 @@ class Engine:
                  **overrides: Any):
         self.config = replace(config or EngineConfig(), **overrides)
         self._model_spec = model
-        self._inflight: dict[str, _Handle] = {}
-        self._by_key: dict[int, _Handle] = {}
+        self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
+        self._by_key: dict[JobKey, RequestRecord] = {}
         self._serial = 0
         self._requests_total = 0
         self._ttft_sum = 0.0
@@ -193,8 +196,8 @@ class Engine:
         self._closed = True
         self._limiter = trio.CapacityLimiter(self.config.template_threads)
         self.info: ModelInfo | None = None
-        self._tokenizer: Any = None
-        self._detok_tables: Any = None
+        self._tokenizer: TokenizerWrapper | None = None
+        self._detok_tables: DecoderTables | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -227,7 +230,7 @@ class Engine:
         path = await trio.to_thread.run_sync(resolve_model, self._model_spec)
         token = trio.lowlevel.current_trio_token()
         ready = trio.Event()
-        state: dict[str, Any] = {}
+        startup: StartUp | None = None  # set by the thread before ``ready``
 
         # Hand-off: the thread appends each step's outputs; one Trio callback is
         # scheduled at a time and drains everything posted since, so a busy Trio
@@ -261,22 +264,21 @@ class Engine:
             from .._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
             from .._models import loader as _loader
 
+            nonlocal startup
             try:
                 model, tokenizer, info = _loader.load(path)
                 if self.config.cpu_fusion:
                     fuse_for_cpu(model)
-                from .._stream.detok import DecoderTables
-
-                state["tables"] = DecoderTables.from_tokenizer(tokenizer)
+                tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = Worker(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                 )
                 worker.setup()
-                state.update(worker=worker, tokenizer=tokenizer, info=info)
+                startup = Started(worker, tokenizer, tables, info)
             except BaseException as exc:  # noqa: BLE001 - reported to run()
-                state["error"] = exc
+                startup = StartFailed(exc)
                 token.run_sync_soon(ready.set)
                 return
             token.run_sync_soon(ready.set)
@@ -294,20 +296,21 @@ class Engine:
         except BaseException:
             with trio.CancelScope(shield=True):
                 await ready.wait()
-                if "worker" in state:
-                    state["worker"].stop()
+                if isinstance(startup, Started):
+                    startup.worker.stop()
                 await trio.to_thread.run_sync(thread.join)
             raise
-        if "error" in state:
+        if not isinstance(startup, Started):
             await trio.to_thread.run_sync(thread.join)
-            err = state["error"]
+            assert isinstance(startup, StartFailed)
+            err = startup.error
             if isinstance(err, ModelLoadError):
                 raise err
             raise ModelLoadError(f"could not start the engine: {err}") from err
-        self._worker = state["worker"]
-        self._tokenizer = state["tokenizer"]
-        self._detok_tables = state["tables"]
-        self.info = state["info"]
+        self._worker = startup.worker
+        self._tokenizer = startup.tokenizer
+        self._detok_tables = startup.tables
+        self.info = startup.info
         self._closed = False
         if self.config.warmup:
             await self._warm_up()
@@ -319,13 +322,13 @@ class Engine:
             with trio.CancelScope(shield=True):
                 self._worker.stop()
                 await trio.to_thread.run_sync(thread.join)
-            for handle in list(self._inflight.values()):
-                handle.mailbox.close()
+            for record in list(self._inflight.values()):
+                record.mailbox.close()
 
     # -- requests ----------------------------------------------------------------
 
     @asynccontextmanager
-    async def stream(self, request: ChatRequest, *, request_id: str | None = None,
+    async def stream(self, request: ChatRequest, *, request_id: RequestId | None = None,
                      profile: str | None = None) -> AsyncIterator[ChatStream]:
         """Submit ``request``; raises before yielding when it cannot be served."""
         if self._closed or self._worker is None:
@@ -341,20 +344,20 @@ class Engine:
             raise EngineBusyError(retry_after=1.0)
         mailbox = Mailbox()
         self._serial += 1
-        handle = _Handle(rid, self._serial, mailbox, time.perf_counter())
-        self._inflight[rid] = handle
-        self._by_key[handle.key] = handle
+        record = RequestRecord(rid, JobKey(self._serial), mailbox, time.perf_counter())
+        self._inflight[rid] = record
+        self._by_key[record.key] = record
         try:
             job, downgraded = await trio.to_thread.run_sync(
-                self._prepare, request, handle, profile, limiter=self._limiter, abandon_on_cancel=True
+                self._prepare, request, record, profile, limiter=self._limiter, abandon_on_cancel=True
             )
             self._requests_total += 1
-            if handle.cancelled:
-                handle.finished = True
+            if record.state is RequestState.CANCELLED:
+                record.state = RequestState.FINISHED
                 mailbox.put((Finish("cancelled"), Usage(len(job.prompt), 0, 0)))
                 mailbox.close()
             else:
-                handle.submitted = True
+                record.state = RequestState.SUBMITTED
                 self._worker.submit(job)
             yield ChatStream(
                 id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
@@ -362,26 +365,32 @@ class Engine:
                 prompt_tokens=len(job.prompt), grammar_downgraded=downgraded,
             )
         finally:
-            if handle.submitted and not handle.finished and self._worker is not None:
-                self._worker.drop(handle.key)
+            if record.on_thread and self._worker is not None:
+                record.state = RequestState.DROPPED
+                self._worker.drop(record.key)
             self._inflight.pop(rid, None)
-            self._by_key.pop(handle.key, None)
+            self._by_key.pop(record.key, None)
             mailbox.close()
 
-    async def complete(self, request: ChatRequest, *, request_id: str | None = None,
+    async def complete(self, request: ChatRequest, *, request_id: RequestId | None = None,
                        profile: str | None = None) -> dict[str, Any]:
         """The non-streaming response: the same path as :meth:`stream`, accumulated."""
         async with self.stream(request, request_id=request_id, profile=profile) as s:
             return await s.collect()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: RequestId) -> bool:
         """End an in-flight request with ``finish_reason: "cancelled"``; False if unknown."""
-        handle = self._inflight.get(request_id)
-        if handle is None or handle.finished or handle.cancelled:
+        record = self._inflight.get(request_id)
+        if record is None:
             return False
-        handle.cancelled = True
-        if handle.submitted and self._worker is not None:
-            self._worker.cancel(handle.key)
+        if record.state is RequestState.PREPARING:
+            record.state = RequestState.CANCELLED  # ends once preparation returns
+        elif record.state is RequestState.SUBMITTED:
+            record.state = RequestState.CANCELLING
+            if self._worker is not None:
+                self._worker.cancel(record.key)
+        else:
+            return False  # already cancelled, finished or dropped
         return True
 
     def statistics(self) -> EngineStatistics:
@@ -439,25 +448,26 @@ class Engine:
         """Runs in Trio: deliver one engine step's events."""
         now = time.perf_counter()
         for key, (events, finished) in outputs.items():
-            handle = self._by_key.get(key)
-            if handle is None:
+            record = self._by_key.get(key)
+            if record is None:
                 continue
-            if not handle.first_token:
-                handle.first_token = True
-                self._ttft_sum += now - handle.t_submit
+            if record.t_first is None:
+                record.t_first = now
+                self._ttft_sum += now - record.t_submit
                 self._ttft_count += 1
-            handle.mailbox.put(events)
+            record.mailbox.put(events)
             if finished:
-                handle.finished = True
-                handle.mailbox.close()  # the reader drains what is there, then sees the end
+                record.state = RequestState.FINISHED
+                record.mailbox.close()  # the reader drains what is there, then sees the end
 
-    def _prepare(self, request: ChatRequest, handle: _Handle, profile: str | None) -> tuple[Job, bool]:
+    def _prepare(self, request: ChatRequest, record: RequestRecord, profile: str | None) -> tuple[Job, bool]:
         """Template, tokenize and build the job (runs in a worker thread)."""
         from .prepare import build_job
 
+        assert self._tokenizer is not None and self._detok_tables is not None
         return build_job(
-            request, key=handle.key, info=self._info(), tokenizer=self._tokenizer,
-            tables=self._detok_tables, config=self.config, profile=profile, t_submit=handle.t_submit,
+            request, key=record.key, info=self._info(), tokenizer=self._tokenizer,
+            tables=self._detok_tables, config=self.config, profile=profile, t_submit=record.t_submit,
         )
 
 

@@ -6,16 +6,22 @@ the stream's pipeline stages happen here, off the generation thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ContextLengthError, RequestError
 from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
 from .._stream.request import ChatRequest
 from . import grammar as g
+from .commands import Job, JobKey
 from .grammar import ThinkMode
 from .profile import ProfileRecorder
-from .worker import Job
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .._stream.detok import DecoderTables
+    from .engine import EngineConfig
 
 
 def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
@@ -83,8 +89,8 @@ def _structured_stage(request: ChatRequest) -> Any:
     return make_structured_output(request.response_format)
 
 
-def _constraints(request: ChatRequest, tokenizer: Any, info: ModelInfo, config: Any,
-                 prompt_len: int, mode: ThinkMode) -> tuple[Any, bool]:
+def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelInfo, config: EngineConfig,
+                 prompt_len: int, mode: ThinkMode) -> tuple[g.GrammarProcessor | None, bool]:
     """``(grammar processor or None, downgraded)`` for what ``request`` makes strict.
 
     Enforced: a strict ``json_schema``; ``tool_choice`` ``required`` / named;
@@ -127,8 +133,9 @@ def _constraints(request: ChatRequest, tokenizer: Any, info: ModelInfo, config: 
     return grammar, downgraded or failed
 
 
-def build_job(request: ChatRequest, *, key: int, info: ModelInfo, tokenizer: Any, tables: Any,
-              config: Any, profile: str | None, t_submit: float) -> tuple[Job, bool]:
+def build_job(request: ChatRequest, *, key: JobKey, info: ModelInfo, tokenizer: TokenizerWrapper,
+              tables: DecoderTables, config: EngineConfig, profile: str | None,
+              t_submit: float) -> tuple[Job, bool]:
     """``(job, grammar_downgraded)`` for ``request``; raises RequestError subclasses."""
     from .._stream.detok import IncrementalDetokenizer
 

@@ -1,11 +1,14 @@
 """The generation thread: the only code that touches MLX after loading.
 
 It owns the model, mlx-lm's ``BatchGenerator`` and the prefix cache, and
-runs every stream's token pipeline.  Trio talks to it through a command
-queue (``submit`` / ``cancel`` / ``drop`` / ``stop``); it answers with one
-``post(outputs)`` per engine step, carrying every stream's new events.
+runs every stream's token pipeline.  Trio talks to it through a queue of
+commands (:mod:`.commands`: ``Submit`` / ``Cancel`` / ``Drop`` / ``Stop`` /
+``Reset`` / ``Sync``, sent by the methods of the same names); it answers with
+one ``post(outputs)`` per engine step, carrying every stream's new events.
 Commands are drained before every step, so a cancelled or abandoned request
-leaves the batch within one step, and a new one joins at the next.
+leaves the batch within one step, and a new one joins at the next.  Jobs are
+named by their key on the way in and out, by mlx-lm's uid inside the batch
+(see :mod:`.commands` for the id spaces).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._stream.events import (
     Event,
@@ -29,33 +32,32 @@ from .._stream.events import (
     TopLogprob,
     Usage,
 )
-from .._stream.pipeline import StreamPipeline
-from .._stream.request import ChatRequest
-from .profile import ProfileRecorder
+from .commands import (
+    Cancel,
+    Command,
+    Delivery,
+    Drop,
+    Job,
+    JobKey,
+    MlxUid,
+    Outputs,
+    Reset,
+    Stop,
+    Submit,
+    Sync,
+)
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.generate import GenerationBatch
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .._mlx.prefill import EngineBatchGenerator
+    from .sampling import SamplerCache
 
 log = logging.getLogger("afm.engine")
-
-# outputs of one step: job key -> (events, finished)
-Outputs = dict[int, tuple[tuple[Event, ...], bool]]
-
-
-@dataclass(eq=False)
-class Job:
-    """One request as the generation thread sees it."""
-
-    key: int
-    request: ChatRequest
-    prompt: list[int]
-    max_tokens: int
-    pipeline: StreamPipeline
-    profile: ProfileRecorder | None = None
-    grammar: Any = None  # a grammar logits processor (see _grammar)
-    # filled in by the thread
-    uid: int = -1
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    guards: list[Any] = field(default_factory=list)
-    done: bool = False
 
 
 @dataclass
@@ -81,8 +83,8 @@ class Worker:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
         *,
         post: Callable[[Outputs], None],
         max_batch: int,
@@ -99,34 +101,40 @@ class Worker:
         self.prefill_step = prefill_step
         self.prefix_cache_bytes = prefix_cache_bytes
         self.model_key = model_key
-        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.stats = WorkerStats()
-        self.jobs: dict[int, Job] = {}  # uid -> job
-        self.logprob_uids: set[int] = set()  # rows whose log-probabilities are read
-        self.by_key: dict[int, Job] = {}
+        self.jobs: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
+        self.logprob_uids: set[int] = set()  # uids of the rows whose log-probabilities are read
+        self.by_key: dict[JobKey, Job] = {}  # every job the thread holds, by the engine's key
+        self.synced: list[Callable[[], None]] = []  # Sync callbacks due after this iteration's step
         self.thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
 
-    # -- called from other threads -----------------------------------------
+    # -- called from other threads (each puts one command, see .commands) ------
 
     def submit(self, job: Job) -> None:
-        self.commands.put(("submit", job))
+        self.commands.put(Submit(job))
 
-    def cancel(self, key: int) -> None:
+    def cancel(self, key: JobKey) -> None:
         """End ``key`` with finish_reason ``cancelled`` (events are posted)."""
-        self.commands.put(("cancel", key))
+        self.commands.put(Cancel(key))
 
-    def drop(self, key: int) -> None:
+    def drop(self, key: JobKey) -> None:
         """Forget ``key`` silently (its consumer is gone)."""
-        self.commands.put(("drop", key))
+        self.commands.put(Drop(key))
 
     def stop(self) -> None:
-        self.commands.put(("stop",))
+        self.commands.put(Stop())
 
     def reset(self, done: Callable[[], None]) -> None:
         """Zero the counters and empty the prefix cache, then call ``done``
         (on the generation thread); used after the start-up warm-up."""
-        self.commands.put(("reset", done))
+        self.commands.put(Reset(done))
+
+    def sync(self, done: Callable[[], None]) -> None:
+        """Call ``done`` (on the generation thread) after the step that
+        follows every command sent so far (see :class:`.commands.Sync`)."""
+        self.commands.put(Sync(done))
 
     # -- the thread ----------------------------------------------------------
 
@@ -140,7 +148,7 @@ class Worker:
         self.mx = mx
         self.stream = mx.new_stream(mx.default_device())
         eos = sorted(self.tokenizer.eos_token_ids)
-        self.gen = EngineBatchGenerator(
+        self.gen: EngineBatchGenerator = EngineBatchGenerator(
             self.model,
             logprob_uids=self.logprob_uids,
             max_tokens=1 << 30,
@@ -151,8 +159,8 @@ class Worker:
             prefill_step_size=self.prefill_step,
             stream=self.stream,
         )
-        self.prefix_cache = self._new_prefix_cache()
-        self.samplers = SamplerCache()
+        self.prefix_cache: LRUPromptCache = self._new_prefix_cache()
+        self.samplers: SamplerCache = SamplerCache()
         self.eos = set(eos)
         self.weights_bytes = _param_bytes(self.model)
         self.device = str(mx.default_device()).split("(")[-1].split(",")[0].replace("DeviceType.", "")
@@ -160,7 +168,7 @@ class Worker:
 
         self.blas = confirm().name
 
-    def _new_prefix_cache(self) -> Any:
+    def _new_prefix_cache(self) -> LRUPromptCache:
         from .._mlx.prefix_cache import make_prefix_cache
 
         return make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
@@ -171,7 +179,7 @@ class Worker:
         outputs: Outputs = {}
         for job in self.by_key.values():
             err = StreamError(f"generation failed: {exc}", code="generation_failed")
-            outputs[job.key] = ((err,), True)
+            outputs[job.key] = Delivery((err,), True)
         self.by_key.clear()
         self.jobs.clear()
         if outputs:
@@ -187,10 +195,11 @@ class Worker:
                 cmd = None
             outputs: Outputs = {}
             while cmd is not None:
-                if cmd[0] == "stop":
+                if isinstance(cmd, Stop):
                     self._shutdown(outputs)
                     if outputs:
                         self.post(outputs)
+                    self._run_synced()
                     return
                 self._command(cmd, outputs)
                 try:
@@ -202,23 +211,33 @@ class Worker:
             self._update_stats()
             if outputs:
                 self.post(outputs)
+            if self.synced:
+                self._run_synced()
 
-    def _command(self, cmd: tuple[Any, ...], outputs: Outputs) -> None:
-        kind, arg = cmd
-        if kind == "submit":
-            self._admit(arg, outputs)
-            return
-        if kind == "reset":
-            self.stats = WorkerStats()
-            self.prefix_cache = self._new_prefix_cache()
-            arg()
-            return
-        job = self.by_key.get(arg)
-        if job is None:
-            return
-        self._remove(job)
-        if kind == "cancel":
-            outputs[job.key] = (tuple(self._end(job, "cancelled")), True)
+    def _run_synced(self) -> None:
+        synced, self.synced = self.synced, []
+        for done in synced:
+            done()
+
+    def _command(self, cmd: Command, outputs: Outputs) -> None:
+        match cmd:
+            case Submit(job):
+                self._admit(job, outputs)
+            case Reset(done):
+                self.stats = WorkerStats()
+                self.prefix_cache = self._new_prefix_cache()
+                done()
+            case Sync(done):
+                self.synced.append(done)
+            case Cancel(key) | Drop(key):
+                held = self.by_key.get(key)
+                if held is None:
+                    return
+                self._remove(held)
+                if isinstance(cmd, Cancel):
+                    outputs[held.key] = Delivery(tuple(self._end(held, "cancelled")), True)
+            case Stop():  # the loop handles it before calling here
+                raise AssertionError("Stop reaches _command")
 
     def _admit(self, job: Job, outputs: Outputs) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
@@ -245,7 +264,7 @@ class Worker:
             if job.grammar is not None:
                 procs.append(GuardedProcessor(job.grammar))
             job.guards = procs
-            (uid,) = self.gen.insert(
+            (inserted,) = self.gen.insert(
                 [rest],
                 max_tokens=[job.max_tokens],
                 caches=[cache] if cache is not None else None,
@@ -256,9 +275,9 @@ class Worker:
             )
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
-            outputs[job.key] = ((StreamError(f"could not start generation: {exc}"),), True)
+            outputs[job.key] = Delivery((StreamError(f"could not start generation: {exc}"),), True)
             return
-        job.uid = uid
+        job.uid = uid = MlxUid(inserted)
         self.jobs[uid] = job
         if req.logprobs:
             self.logprob_uids.add(uid)
@@ -277,14 +296,14 @@ class Worker:
             log.exception("engine step failed")
             for stale in list(self.by_key.values()):
                 self._remove(stale)
-                outputs[stale.key] = ((StreamError(f"generation failed: {exc}"),), True)
+                outputs[stale.key] = Delivery((StreamError(f"generation failed: {exc}"),), True)
             self._reset_generator()
             return
         self.stats.steps += 1
         now = time.perf_counter()
         batch_size = len(responses)
         active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
-        pending: dict[int, list[Event]] = {}
+        pending: dict[JobKey, list[Event]] = {}
         for r in responses:
             job = self.jobs.get(r.uid)
             if job is None:
@@ -294,21 +313,21 @@ class Worker:
             if failed is not None:
                 self._remove(job)
                 events.append(StreamError(f"generation failed: {failed}"))
-                outputs[job.key] = (tuple(events), True)
+                outputs[job.key] = Delivery(tuple(events), True)
                 continue
             try:
                 self._advance(job, r, events, outputs, now, batch_size, active)
             except Exception as exc:  # one stream's fault ends only that stream
                 log.exception("stream processing failed")
-                if job.uid in self.jobs:
+                if job.uid is not None and job.uid in self.jobs:
                     self._remove(job)
                 events.append(StreamError(f"stream processing failed: {exc}"))
-                outputs[job.key] = (tuple(events), True)
+                outputs[job.key] = Delivery(tuple(events), True)
         for key, events in pending.items():
             if key not in outputs and events:
-                outputs[key] = (tuple(events), False)
+                outputs[key] = Delivery(tuple(events), False)
 
-    def _advance(self, job: Job, r: Any, events: list[Event], outputs: Outputs, now: float,
+    def _advance(self, job: Job, r: GenerationBatch.Response, events: list[Event], outputs: Outputs, now: float,
                  batch_size: int, active: int) -> None:
         """Feed one generated token of ``job`` through its pipeline."""
         gen = self.gen
@@ -328,25 +347,25 @@ class Worker:
             self._forget(job)
         elif reason is not None:
             self._forget(job)
-            if self.prefix_cache_bytes > 0 and r.prompt_cache is not None:
+            if self.prefix_cache_bytes > 0 and r.prompt_cache is not None and r.all_tokens is not None:
                 self._save_cache(r.all_tokens, r.prompt_cache)
         if reason is not None:
             if reason == "stop" and job.pipeline.saw_tool_call:
                 reason = "tool_calls"
             events.extend(self._end(job, reason))
-            outputs[job.key] = (tuple(events), True)
+            outputs[job.key] = Delivery(tuple(events), True)
 
     def _update_stats(self) -> None:
-        s, gen = self.stats, self.gen
-        s.running = len(gen._generation_batch)
-        s.prefilling = len(gen._prompt_batch)
-        s.queued = len(gen._unprocessed_sequences)
+        s, seen = self.stats, self.gen.occupancy()
+        s.running = seen.decoding
+        s.prefilling = seen.prefilling
+        s.queued = seen.waiting
 
-    def _logprobs(self, token: int, logprobs: Any, k: int) -> LogprobsDelta:
+    def _logprobs(self, token: int, logprobs: mx.array, k: int) -> LogprobsDelta:
         from .sampling import top_logprobs
 
         tok = self.tokenizer
-        lp = float(logprobs[token].item())
+        lp = float(logprobs[token].item())  # type: ignore[arg-type]  # a float array's item is a float
         text = tok.decode([token])
         tops: tuple[TopLogprob, ...] = ()
         if k:
@@ -364,7 +383,6 @@ class Worker:
         except Exception as exc:  # noqa: BLE001
             events.append(StreamError(f"stream processing failed: {exc}"))
             return events
-        job.done = True
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         events.append(Finish(reason))
         usage = Usage(len(job.prompt), job.completion_tokens, job.cached_tokens)
@@ -387,13 +405,14 @@ class Worker:
         return events
 
     def _remove(self, job: Job) -> None:
-        if job.uid >= 0:
+        if job.uid is not None:
             self.gen.remove([job.uid])
         self._forget(job)
 
     def _forget(self, job: Job) -> None:
-        self.jobs.pop(job.uid, None)
-        self.logprob_uids.discard(job.uid)
+        if job.uid is not None:
+            self.jobs.pop(job.uid, None)
+            self.logprob_uids.discard(job.uid)
         self.by_key.pop(job.key, None)
 
     def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
@@ -419,11 +438,11 @@ class Worker:
     def _shutdown(self, outputs: Outputs) -> None:
         for job in list(self.by_key.values()):
             self._remove(job)
-            outputs[job.key] = ((StreamError("the engine is shutting down", code="engine_closed"),), True)
+            outputs[job.key] = Delivery((StreamError("the engine is shutting down", code="engine_closed"),), True)
         self.gen.close()
 
 
-def _param_bytes(model: Any) -> int:
+def _param_bytes(model: nn.Module) -> int:
     from mlx.utils import tree_flatten
 
     # mlx annotates list-or-dict; without ``destination`` it is always the list of pairs
@@ -431,12 +450,12 @@ def _param_bytes(model: Any) -> int:
     return sum(v.nbytes for _, v in flat)
 
 
-def _vocab_size(model: Any) -> int:
+def _vocab_size(model: nn.Module) -> int:
     args = getattr(model, "args", None)
     return int(getattr(args, "vocab_size", 0) or 1 << 30)
 
 
-def _kv_bytes_per_token(model: Any) -> int:
+def _kv_bytes_per_token(model: nn.Module) -> int:
     """K and V bytes one token adds to the cache (float32 estimate from the config)."""
     args = getattr(model, "args", None)
     if args is None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from afm_core._engine.engine import Engine, open_engine
+from afm_core._engine.commands import RequestState
+from afm_core._engine.engine import Engine, EngineStatistics, open_engine
 from afm_core._errors import ContextLengthError, DuplicateRequestError, EngineBusyError
 from afm_core._mlx.blas import blas_info
 from afm_core._stream.events import (
@@ -41,6 +42,21 @@ async def wait_for(pred, limit: float = 10.0) -> None:
     with trio.fail_after(limit):
         while not pred():
             await trio.sleep(0.005)
+
+
+async def settled(engine: Engine) -> EngineStatistics:
+    """The statistics once the generation thread has applied every command
+    sent so far and run the step that follows (``Worker.sync``).  A thread
+    holding no job then waits for the next command: nothing more is generated
+    until one comes, so equal ``steps`` before and after prove it idle."""
+    worker = engine._worker
+    assert worker is not None
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    worker.sync(lambda: token.run_sync_soon(done.set))
+    with trio.fail_after(10):
+        await done.wait()
+    return engine.statistics()
 
 
 async def test_echo_stream_lifecycle(echo_model_dir: Path) -> None:
@@ -148,25 +164,24 @@ async def test_cancel_by_id_frees_slot_and_spares_others(echo_model_dir: Path) -
         assert got[-1].completion_tokens < 3000
         assert content(other) == "bystander " * 50
         assert engine.cancel("victim") is False  # no longer in flight
-        stats = engine.statistics()
+        stats = await settled(engine)
         assert stats.running == 0 and stats.requests_active == 0
-        steps = stats.steps
-        await trio.sleep(0.2)
-        assert engine.statistics().steps == steps  # nothing more is generated
+        assert (await settled(engine)).steps == stats.steps  # nothing more is generated
 
 
 async def test_trio_cancellation_frees_slot(echo_model_dir: Path) -> None:
     async with open_engine(echo_model_dir) as engine:
         seen = 0
-        with trio.move_on_after(0.5):
+        with trio.CancelScope() as scope:  # the reader's own scope, cancelled mid-stream
             async with engine.stream(req("token " * 5000)) as s:
                 async for e in s:
                     seen += isinstance(e, ContentDelta)
-        assert 0 < seen < 5000
-        await wait_for(lambda: engine.statistics().running == 0)
-        steps = engine.statistics().steps
-        await trio.sleep(0.2)
-        assert engine.statistics().steps == steps
+                    if seen >= 5:
+                        scope.cancel()
+        assert scope.cancelled_caught and 5 <= seen < 5000
+        stats = await settled(engine)  # the stream's Drop is applied
+        assert stats.running == 0 and stats.requests_active == 0
+        assert (await settled(engine)).steps == stats.steps  # nothing more is generated
         c = await engine.complete(req("still serving"))
         assert c["choices"][0]["message"]["content"] == "still serving"
 
@@ -182,7 +197,8 @@ async def test_cancel_non_streaming_and_queued(echo_model_dir: Path) -> None:
             n.start_soon(run, "first", "token " * 2000)
             await wait_for(lambda: engine.statistics().running == 1)
             n.start_soon(run, "queued", "never runs " * 10)
-            await wait_for(lambda: "queued" in engine._inflight and engine._inflight["queued"].submitted)
+            await wait_for(lambda: "queued" in engine._inflight
+                           and engine._inflight["queued"].state is RequestState.SUBMITTED)
             assert engine.cancel("queued")
             assert engine.cancel("first")
         assert results["first"]["choices"][0]["finish_reason"] == "cancelled"

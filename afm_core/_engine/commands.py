@@ -1,0 +1,264 @@
+"""What passes between the engine's Trio face and its generation thread.
+
+The Trio side (:class:`~.engine.Engine`) and the generation thread
+(:class:`~.worker.Worker`) share nothing but the records here.  Trio sends
+one :data:`Command` per action down the thread's queue (:class:`Submit`,
+:class:`Cancel`, :class:`Drop`, :class:`Stop`, :class:`Reset`,
+:class:`Sync`); the thread answers with one :data:`Outputs` per engine step.
+A :class:`Job` is built off both threads (:mod:`.prepare`), travels in a
+:class:`Submit` and belongs to the generation thread from then on.  The Trio
+side follows each request with a :class:`RequestRecord` whose
+:class:`RequestState` says where it stands.  Starting the thread yields one
+:data:`StartUp` record.
+
+Three id spaces
+---------------
+``request_id`` (:data:`RequestId`, ``str``)
+    The client's name for a request: the HTTP ``X-Request-ID`` header, the
+    ``request_id=`` argument of :meth:`Engine.stream <.engine.Engine.stream>`,
+    or a generated ``req_<hex>``.  Unique among the requests in flight (a
+    duplicate is refused), reusable once a request has ended; what
+    :meth:`Engine.cancel <.engine.Engine.cancel>` takes and replicas are
+    routed by.  Trio side only (``Engine._inflight``): it never reaches the
+    generation thread.
+``key`` (:data:`JobKey`, ``int``)
+    The engine's serial number for one submission, given by ``Engine.stream``
+    and never reused within an engine, so a late event for an ended request
+    cannot reach a new request that took its ``request_id``.  The only id that
+    crosses the thread boundary: commands name jobs by key and :data:`Outputs`
+    are keyed by it (``Engine._by_key``, ``Worker.by_key``).
+``uid`` (:data:`MlxUid`, ``int``)
+    mlx-lm's ``BatchGenerator`` uid, given when the generation thread admits
+    the job into the batch (``None`` before).  mlx-lm's responses carry it;
+    generation thread only (``Worker.jobs``, ``Worker.logprob_uids``).
+
+(A response's ``id``, ``chatcmpl-<hex>``, names the output only; the engine
+never looks anything up by it.)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, NewType, TypeAlias
+
+from .._models.loader import ModelInfo
+from .._stream.detok import DecoderTables
+from .._stream.events import Event
+from .._stream.pipeline import StreamPipeline
+from .._stream.request import ChatRequest
+from .mailbox import Mailbox
+from .profile import ProfileRecorder
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .grammar import GrammarProcessor
+    from .sampling import GuardedProcessor
+    from .worker import Worker
+
+__all__ = [
+    "Cancel",
+    "Command",
+    "Delivery",
+    "Drop",
+    "Job",
+    "JobKey",
+    "MlxUid",
+    "Outputs",
+    "RequestId",
+    "RequestRecord",
+    "RequestState",
+    "Reset",
+    "StartFailed",
+    "StartUp",
+    "Started",
+    "Stop",
+    "Submit",
+    "Sync",
+]
+
+RequestId: TypeAlias = str
+"""The client's id of a request (see the module docstring)."""
+JobKey = NewType("JobKey", int)
+"""The engine's serial number of one submission (see the module docstring)."""
+MlxUid = NewType("MlxUid", int)
+"""mlx-lm's ``BatchGenerator`` uid of an admitted job (see the module docstring)."""
+
+
+# -- the job ------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One request as the generation thread sees it.
+
+    Built by :func:`~.prepare.build_job`; after :class:`Submit` only the
+    generation thread touches it.
+    """
+
+    key: JobKey
+    request: ChatRequest
+    prompt: list[int]
+    """The rendered prompt's token ids."""
+    max_tokens: int
+    """Tokens to generate at most (the request's ``max_tokens`` or the default budget)."""
+    pipeline: StreamPipeline
+    profile: ProfileRecorder | None = None
+    grammar: GrammarProcessor | None = None
+    """The logits processor enforcing the output's grammar, if any."""
+    # filled in by the generation thread
+    uid: MlxUid | None = None
+    """Given when the job is admitted into mlx-lm's batch."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    completion_tokens: int = 0
+    guards: list[GuardedProcessor] = field(default_factory=list)
+    """The job's logits processors, each recording (not raising) its failure."""
+
+
+# -- commands: Trio -> generation thread ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Admit ``job`` into the batch at the next step."""
+
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """End job ``key`` with ``finish_reason: "cancelled"`` (its last events are posted)."""
+
+    key: JobKey
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Forget job ``key`` silently: its reader is gone."""
+
+    key: JobKey
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End every job with an ``engine_closed`` error and leave the loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Zero the counters and empty the prefix cache, then call ``done`` (on
+    the generation thread); used after the start-up warm-up."""
+
+    done: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Call ``done`` (on the generation thread) once every command sent
+    before this one is applied and the step that follows has run and posted
+    its outputs; a thread holding no job then waits for the next command.
+    Lets a caller observe the thread settled without guessing a delay."""
+
+    done: Callable[[], None]
+
+
+Command: TypeAlias = Submit | Cancel | Drop | Stop | Reset | Sync
+
+
+# -- outputs: generation thread -> Trio ----------------------------------------
+
+
+class Delivery(NamedTuple):
+    """One stream's share of one engine step."""
+
+    events: tuple[Event, ...]
+    finished: bool
+    """The stream's last delivery: its mailbox closes after these events."""
+
+
+Outputs: TypeAlias = dict[JobKey, Delivery]
+"""Everything one engine step produced, by job key (one hand-off per step)."""
+
+
+# -- start-up: generation thread -> Trio, once ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The generation thread loaded the model and is about to run its loop."""
+
+    worker: Worker
+    tokenizer: TokenizerWrapper
+    tables: DecoderTables
+    info: ModelInfo
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    """Loading the model or creating the MLX objects raised ``error``; the
+    thread has returned."""
+
+    error: BaseException
+
+
+StartUp: TypeAlias = Started | StartFailed
+
+
+# -- the Trio side's record of one request -------------------------------------
+
+
+class RequestState(enum.Enum):
+    """Where one request stands, as the Trio side sees it.
+
+    ========================  ==============  ==================================
+    from                      to              when
+    ========================  ==============  ==================================
+    PREPARING                 SUBMITTED       prepared; :class:`Submit` sent
+    PREPARING                 CANCELLED       ``Engine.cancel``
+    CANCELLED                 FINISHED        prepared; ``cancelled`` delivered
+    SUBMITTED                 CANCELLING      ``Engine.cancel``; :class:`Cancel` sent
+    SUBMITTED, CANCELLING     FINISHED        the thread's last events arrived
+    SUBMITTED, CANCELLING     DROPPED         the reader left; :class:`Drop` sent
+    ========================  ==============  ==================================
+
+    A request whose preparation raises is forgotten where it stands.  Whether
+    a submitted job waits, prefills or decodes is mlx-lm's to know: the Trio
+    side cannot tell, and needs not.
+    """
+
+    PREPARING = enum.auto()
+    """Templating and tokenizing in a worker thread; the generation thread has not heard of it."""
+    SUBMITTED = enum.auto()
+    """Handed to the generation thread (:class:`Submit`)."""
+    CANCELLED = enum.auto()
+    """Cancelled while preparing: it ends with ``finish_reason: "cancelled"`` as
+    soon as preparation returns, without reaching the generation thread."""
+    CANCELLING = enum.auto()
+    """Cancelled after submission: a :class:`Cancel` is on its way and the
+    thread answers with the last events."""
+    FINISHED = enum.auto()
+    """Its last events are in its mailbox."""
+    DROPPED = enum.auto()
+    """Its reader left before the end; a :class:`Drop` was sent."""
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """One in-flight request on the Trio side (``Engine._inflight``, ``Engine._by_key``)."""
+
+    request_id: RequestId
+    key: JobKey
+    mailbox: Mailbox
+    t_submit: float
+    """``time.perf_counter()`` when the request arrived."""
+    state: RequestState = RequestState.PREPARING
+    t_first: float | None = None
+    """When its first events arrived from the generation thread (time to first token)."""
+
+    @property
+    def on_thread(self) -> bool:
+        """The generation thread holds its job (or a command about it is on the way)."""
+        return self.state in (RequestState.SUBMITTED, RequestState.CANCELLING)
