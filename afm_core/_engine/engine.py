@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -327,10 +327,20 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------
 
+    def stream(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
+               profile: str | None = None) -> AbstractAsyncContextManager[ChatStream]:
+        """Submit ``request``; raises before yielding when it cannot be served.
+
+        ``request`` is a :class:`ChatRequest` or an OpenAI-style body (a dict,
+        validated here with :meth:`ChatRequest.from_openai`, raising
+        :class:`RequestError` as the HTTP layer's requests do).  Anything else
+        raises :class:`TypeError` at the call.
+        """
+        return self._stream(_as_request(request), request_id=request_id, profile=profile)
+
     @asynccontextmanager
-    async def stream(self, request: ChatRequest, *, request_id: RequestId | None = None,
-                     profile: str | None = None) -> AsyncIterator[ChatStream]:
-        """Submit ``request``; raises before yielding when it cannot be served."""
+    async def _stream(self, request: ChatRequest, *, request_id: RequestId | None,
+                      profile: str | None) -> AsyncIterator[ChatStream]:
         if self._closed or self._worker is None:
             raise EngineClosedError("the engine is not running")
         if self._worker.fatal is not None:
@@ -372,7 +382,7 @@ class Engine:
             self._by_key.pop(record.key, None)
             mailbox.close()
 
-    async def complete(self, request: ChatRequest, *, request_id: RequestId | None = None,
+    async def complete(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
                        profile: str | None = None) -> dict[str, Any]:
         """The non-streaming response: the same path as :meth:`stream`, accumulated."""
         async with self.stream(request, request_id=request_id, profile=profile) as s:
@@ -469,6 +479,16 @@ class Engine:
             request, key=record.key, info=self._info(), tokenizer=self._tokenizer,
             tables=self._detok_tables, config=self.config, profile=profile, t_submit=record.t_submit,
         )
+
+
+def _as_request(request: object) -> ChatRequest:
+    """``request`` as a :class:`ChatRequest`: an OpenAI-style dict is validated
+    (:class:`RequestError` when it is not a valid body)."""
+    if isinstance(request, ChatRequest):
+        return request
+    if isinstance(request, dict):
+        return ChatRequest.from_openai(request)
+    raise TypeError(f"request must be a ChatRequest or an OpenAI-style dict, not {type(request).__name__}")
 
 
 @asynccontextmanager

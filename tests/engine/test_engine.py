@@ -12,7 +12,12 @@ import trio
 
 from afm_core._engine.commands import RequestState
 from afm_core._engine.engine import Engine, EngineStatistics, open_engine
-from afm_core._errors import ContextLengthError, DuplicateRequestError, EngineBusyError
+from afm_core._errors import (
+    ContextLengthError,
+    DuplicateRequestError,
+    EngineBusyError,
+    RequestError,
+)
 from afm_core._mlx.blas import blas_info
 from afm_core._stream.events import (
     ContentDelta,
@@ -78,6 +83,35 @@ async def test_complete_matches_stream(echo_model_dir: Path) -> None:
         assert c["choices"][0]["message"]["content"] == "non-streaming works"
         assert c["choices"][0]["finish_reason"] == "stop"
         assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+
+
+async def test_a_dict_request_is_validated_like_the_http_layer_s(echo_model_dir: Path) -> None:
+    body = {"messages": [{"role": "user", "content": "plain dict, same stream"}], "max_tokens": 40,
+            "temperature": 0}
+    # no prefix cache: the second run would otherwise report cached tokens in its usage
+    async with open_engine(echo_model_dir, prefix_cache_bytes=0) as engine:
+        from_dict = await collect(engine, body)
+        from_request = await collect(engine, ChatRequest.from_openai(body))
+        assert from_dict == from_request
+        assert content(from_dict) == "plain dict, same stream"
+        c = await engine.complete(dict(body))
+        assert c["choices"][0]["message"]["content"] == "plain dict, same stream"
+        # a bad body is the usual request error, raised when the stream is asked for
+        for bad in ({"messages": "not a list"}, {"messages": []},
+                    {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}):
+            with pytest.raises(RequestError) as info:
+                engine.stream(bad)
+            assert info.value.status == 400
+            with pytest.raises(RequestError):
+                await engine.complete(bad)
+        # anything else is a programming error, raised at the call
+        for wrong in (42, None, [("role", "user")], '{"messages": []}'):
+            with pytest.raises(TypeError, match="ChatRequest or an OpenAI-style dict"):
+                engine.stream(wrong)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="ChatRequest or an OpenAI-style dict"):
+                await engine.complete(wrong)  # type: ignore[arg-type]
+        assert engine.statistics().requests_active == 0
+        assert (await engine.complete(req("still serving")))["choices"][0]["message"]["content"] == "still serving"
 
 
 async def test_nursery_start(echo_model_dir: Path) -> None:
