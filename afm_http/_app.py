@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP adapter (quart-trio).
 
-Routes turn JSON into :class:`~afm_core._stream.request.ChatRequest` and write the
+Routes turn JSON into :class:`~afm_core.ChatRequest` and write the
 SSE encoder's bytes, one write per engine step.  No stream logic lives here:
 the engine emits the events, the encoder frames them, the accumulator builds
 the non-streaming response.
@@ -25,19 +25,25 @@ import trio
 from quart import Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from afm_core._engine.engine import ChatStream, Engine
-from afm_core._errors import AFMError, RequestError
-from afm_core._mlx.blas import blas_info
-from afm_core._mlx.qmatmul import kernel_isa
-from afm_core._stream.events import Finish, StreamError, Usage
-from afm_core._stream.request import ChatRequest
-from afm_core._stream.sse import SSEEncoder
+from afm_core import (
+    AFMError,
+    ChatRequest,
+    ChatStream,
+    Engine,
+    Finish,
+    RequestError,
+    SSEEncoder,
+    StreamError,
+    Usage,
+    runtime_info,
+)
 
 from . import _metrics
 from ._asgi import AFMQuart, close_when_done
 from ._body import MAX_DEPTH, parse_json
-from ._errors import error_response, from_exception, from_http_exception, json_response
+from ._errors import error_response, from_exception, from_http_exception
 from ._ids import ID_RULE, InFlight, client_request_id, valid_request_id
+from ._json import json_response
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -240,9 +246,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
     async def health() -> Response:
         stats = engine.statistics()
         ok = engine.healthy
+        info = runtime_info()
         return json_response({"status": "ok" if ok else "unavailable", "model": engine.model_id,
                               "running": stats.running, "waiting": stats.waiting,
-                              "blas": blas_info().as_dict(), "quantized_kernel": kernel_isa()},
+                              "blas": info.blas, "quantized_kernel": info.quantized_kernel,
+                              "compiled": info.compiled},
                              status=200 if ok else 503)
 
     @app.get("/metrics")

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from afm_core._errors import RequestError
+from afm_core import RequestError
 
 __all__ = ["MAX_DEPTH", "parse_json"]
 

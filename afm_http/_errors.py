@@ -12,10 +12,11 @@ from typing import Any
 from quart import Response
 from werkzeug.exceptions import HTTPException
 
-from afm_core._errors import AFMError, EngineBusyError
-from afm_core._stream.sse import dumps
+from afm_core import AFMError, EngineBusyError
 
-__all__ = ["envelope", "error_response", "from_exception", "from_http_exception", "json_response"]
+from ._json import json_response
+
+__all__ = ["envelope", "error_response", "from_exception", "from_http_exception"]
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -27,11 +28,6 @@ _HTTP_CODES = {
     415: "unsupported_media_type",
     431: "headers_too_large",
 }
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """``obj`` as compact UTF-8 JSON (lone surrogates escaped, never a crash)."""
-    return Response(dumps(obj), status=status, content_type="application/json", headers=headers or {})
 
 
 def envelope(message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -5,7 +5,7 @@ written to log lines, so only a short, safe alphabet is accepted: it starts
 with a letter or digit and continues with letters, digits and ``. _ : -``
 (no CR/LF, spaces, quotes, slashes or non-ASCII), at most 128 characters.
 The engine keeps the authoritative in-flight registry (duplicates raise
-:class:`~afm_core._errors.DuplicateRequestError`, HTTP 409); :class:`InFlight`
+:class:`~afm_core.DuplicateRequestError`, HTTP 409); :class:`InFlight`
 only remembers which ids this app opened, to cancel them at shutdown.
 """
 

@@ -11,7 +11,8 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import trio
 
@@ -72,15 +73,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no access log")
 
 
+def describe_blas(blas: Mapping[str, Any]) -> str:
+    """One line for the start-up log from ``RuntimeInfo.blas``, e.g.
+    ``openblas (OpenBLAS 0.3.34 ..., 2 threads)`` or ``reference (why)``."""
+    name = blas.get("name")
+    if name == "openblas":
+        return f"openblas ({blas.get('detail', '')}, {blas.get('threads')} threads)"
+    reason = blas.get("reason")
+    return f"{name} ({reason})" if reason else f"{name}"
+
+
 def _say(message: str) -> None:
     print(f"afm: {message}", file=sys.stderr, flush=True)
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from afm_core._engine.engine import open_engine
-    from afm_core._mlx.blas import blas_info
-    from afm_core._mlx.qmatmul import kernel_isa
-    from afm_core._models.resolve import resolve_model
+    from afm_core import open_engine, resolve_model, runtime_info
 
     from ._app import ServerConfig
     from ._server import serve_engine
@@ -103,8 +111,10 @@ async def _main(args: argparse.Namespace) -> None:
                 binds = await nursery.start(lambda task_status: serve_engine(
                     engine, host=args.host, port=args.port, server=server,
                     shutdown_trigger=stop.wait, quiet=args.quiet, task_status=task_status))
-                _say(f"BLAS: {blas_info().describe()}; quantized products: "
-                     f"{'afm kernel (' + isa + ')' if (isa := kernel_isa()) else 'MLX kernel'}")
+                info = runtime_info()
+                isa = info.quantized_kernel
+                _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
+                     f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
                 auth = ", API key required" if args.api_key else ""
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
                      f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")
@@ -122,7 +132,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean shutdown, 1 when the server cannot start."""
-    from afm_core._errors import AFMError
+    from afm_core import AFMError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     status = 0

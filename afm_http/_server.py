@@ -14,7 +14,7 @@ from hypercorn.events import Event, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
-from afm_core._engine.engine import Engine
+from afm_core import Engine
 
 from ._app import ServerConfig, create_app
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from afm_core._engine.engine import Engine, open_engine
+from afm_core import Engine, open_engine
 
 from ._app import ServerConfig
 from ._server import serve_engine

@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from afm_core._engine.engine import open_engine
+from afm_core import open_engine
 from afm_http import create_app
 
 

@@ -10,9 +10,8 @@ import openai
 import pytest
 import trio
 
-from afm_core._mlx.blas import blas_info
-from afm_core._mlx.qmatmul import kernel_isa
-from afm_http._app import ServerConfig
+from afm_core import runtime_info
+from afm_http import ServerConfig
 from afm_http.testing import running_server
 from tests.http.helpers import CHAT, body, sse, text_of
 
@@ -181,8 +180,12 @@ async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
     cfg = ServerConfig(api_key="s3cret", max_body_bytes=2000)
     async with running_server(echo_model_dir, server=cfg) as (url, _), httpx.AsyncClient(base_url=url) as c:
         health = await c.get("/health")
-        assert health.status_code == 200 and health.json()["blas"] == blas_info().as_dict()
-        assert health.json()["quantized_kernel"] == kernel_isa()  # None: MLX's kernel
+        info = runtime_info()
+        assert health.status_code == 200 and health.json()["blas"] == info.blas
+        assert health.json()["quantized_kernel"] == info.quantized_kernel  # None: MLX's kernel
+        assert health.json()["compiled"] == info.compiled
+        assert list(health.json()) == ["status", "model", "running", "waiting", "blas",
+                                       "quantized_kernel", "compiled"]
         for path in ("/v1/models", "/metrics"):
             r = await c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

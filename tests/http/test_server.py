@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
+from afm_core import open_engine
 from afm_core._cli import build_parser
-from afm_core._engine.engine import open_engine
 from afm_http import ServerConfig, serve_engine
 
 CHAT = "/v1/chat/completions"
@@ -66,6 +66,9 @@ def test_afm_serve_process_sigterm_ends_open_stream_cleanly(echo_model_dir: Path
     server = _Server("--model", str(echo_model_dir), "--port", "0", "--api-key", "k3y")
     try:
         url = server.wait_for(r"serving .* on (http://127\.0\.0\.1:\d+)").group(1)
+        # the compute back-ends, from afm_core.runtime_info(), just before
+        assert any(re.match(r"afm: BLAS: \S.*; quantized products: (afm kernel \(.+\)|MLX kernel)$", line)
+                   for line in server.seen)
         auth = {"Authorization": "Bearer k3y"}
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.get("/health").status_code == 200

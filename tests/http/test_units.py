@@ -1,8 +1,10 @@
-"""Pure parts of afm_http: body decoding, request ids, metrics text, error mapping."""
+"""Pure parts of afm_http: body decoding, JSON bodies, request ids, metrics text,
+error mapping, the start-up log's BLAS line."""
 
 from __future__ import annotations
 
 import json
+import re
 import types
 from dataclasses import dataclass, field
 
@@ -11,12 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import afm_http
-from afm_core._errors import DuplicateRequestError, EngineBusyError, RequestError
 from afm_http._app import _authorized, _profile_mode
+from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamError
+from afm_core._mlx.blas import BlasInfo
 from afm_http._body import parse_json
 from afm_http._errors import from_exception
 from afm_http._ids import MAX_ID_LENGTH, client_request_id, mint_request_id, valid_request_id
+from afm_http._json import dumps
 from afm_http._metrics import escape_label, render
+from afm_http._serve_cli import describe_blas
 
 
 def test_exported_names() -> None:
@@ -128,3 +133,40 @@ def test_metrics_text() -> None:
     types_ = [ln.split()[2] for ln in lines if ln.startswith("# TYPE")]
     assert len(types_) == len(set(types_))  # one TYPE line per metric family
     assert escape_label("plain") == "plain"
+
+
+_TEXT = st.text(st.characters(exclude_categories=()) | st.integers(0xD800, 0xDFFF).map(chr))  # lone surrogates too
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12)
+
+
+@given(_JSON)
+def test_dumps_is_compact_utf8_json_with_escaped_surrogates(obj: object) -> None:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    expected = re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m[0]):04x}", text).encode("utf-8")
+    assert dumps(obj) == expected
+
+
+@given(_TEXT)
+def test_dumps_matches_the_sse_encoders_bytes(text: str) -> None:
+    """The same bytes as afm_core's encoder writes (its error chunk is built with its dumps)."""
+    frame = SSEEncoder("chatcmpl-1", 1, "m").encode(StreamError(text, code="internal_error"))
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    payload = frame[len(b"data: "):-2]
+    chunk = json.loads(payload)  # lossy: it joins an escaped surrogate pair into one character
+    chunk["error"]["message"] = text
+    assert dumps(chunk) == payload
+
+
+@pytest.mark.parametrize("info", [
+    BlasInfo("openblas", "OpenBLAS 0.3.34 DYNAMIC_ARCH", 2, verified=True),
+    BlasInfo("openblas"),
+    BlasInfo("reference", reason="AFM_BLAS=reference"),
+    BlasInfo("reference"),
+    BlasInfo("accelerate", verified=None),
+])
+def test_startup_blas_line_from_runtime_info(info: BlasInfo) -> None:
+    """``afm serve`` logs the BLAS from ``runtime_info().blas`` (a dict) as ``BlasInfo.describe()`` did."""
+    assert describe_blas(info.as_dict()) == info.describe()

@@ -12,6 +12,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
+from afm_core._mlx.batch import Occupancy, occupancy
 from afm_core._mlx.prefill import EngineBatchGenerator, EnginePromptBatch
 
 
@@ -69,7 +70,7 @@ def run(gen: Any, prompts: list[list[int]], *, caches: list[Any] | None = None,
             toks, lps = out[row[r.uid]]
             toks.append(r.token)
             lps.append(r.logprobs)
-        if not (len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences):
+        if occupancy(gen).empty:
             break
     gen.close()
     return out
@@ -198,9 +199,30 @@ def test_the_decode_batch_stays_within_its_size(model: Any) -> None:
     for gen in generators(model):  # completion_batch_size 5
         gen.insert(prompts, max_tokens=[6] * len(prompts))
         most = 0
-        while len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
+        while not occupancy(gen).empty:
             gen.next()
-            most = max(most, len(gen._generation_batch))
+            most = max(most, occupancy(gen).decoding)
         gen.close()
         widest.append(most)
     assert widest[1] <= max(widest[0], 5)
+
+
+def test_occupancy_follows_each_row_from_waiting_to_done(model: Any) -> None:
+    for gen in generators(model):  # completion 5, prefill 3, chunks of 32
+        assert occupancy(gen) == Occupancy(decoding=0, prefilling=0, waiting=0) and occupancy(gen).empty
+        uids = gen.insert([[3 + i] * 40 for i in range(8)], max_tokens=[4] * 8)
+        assert occupancy(gen) == Occupancy(decoding=0, prefilling=0, waiting=8)
+        gen.remove([uids[-1]])  # a request that never started
+        assert occupancy(gen) == Occupancy(decoding=0, prefilling=0, waiting=7)
+        gen.next()
+        assert occupancy(gen) == Occupancy(decoding=0, prefilling=3, waiting=4)  # one group, first chunk
+        if isinstance(gen, EngineBatchGenerator):
+            assert gen.occupancy() == occupancy(gen)
+        left = [7]
+        while not occupancy(gen).empty:
+            gen.next()
+            now = occupancy(gen)
+            assert now.decoding <= 5 and now.prefilling <= 3
+            left.append(now.decoding + now.prefilling + now.waiting)
+        assert left == sorted(left, reverse=True)  # a row only ever moves on
+        gen.close()
