@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import afm_http
-from afm_http._app import _authorized, _profile_mode
 from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamError
 from afm_core._mlx.blas import BlasInfo
+from afm_http._app import _authorized, _profile_mode
 from afm_http._body import parse_json
 from afm_http._errors import from_exception
 from afm_http._ids import MAX_ID_LENGTH, client_request_id, mint_request_id, valid_request_id
