@@ -30,7 +30,7 @@ Three id spaces
 ``uid`` (:data:`MlxUid`, ``int``)
     mlx-lm's ``BatchGenerator`` uid, given when the generation thread admits
     the job into the batch (``None`` before).  mlx-lm's responses carry it;
-    generation thread only (``Worker.jobs``, ``Worker.logprob_uids``).
+    generation thread only (``Worker.by_uid``, ``Worker.logprob_uids``).
 
 (A response's ``id``, ``chatcmpl-<hex>``, names the output only; the engine
 never looks anything up by it.)

@@ -238,7 +238,7 @@ class Engine:
         self._model_spec = model
         self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
         self._by_key: dict[JobKey, RequestRecord] = {}
-        self._serial = 0
+        self._serial = 0  # the last JobKey given
         self._requests_total = 0
         self._ttft_sum = 0.0
         self._ttft_count = 0
@@ -397,15 +397,15 @@ class Engine:
             raise EngineClosedError(f"the generation thread failed: {self._worker.fatal}")
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
-        rid = request_id or f"req_{secrets.token_hex(12)}"
-        if rid in self._inflight:
-            raise DuplicateRequestError(f"request id {rid!r} is already in flight")
+        request_id = request_id or f"req_{secrets.token_hex(12)}"
+        if request_id in self._inflight:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if len(self._inflight) >= self.config.max_batch + self.config.max_waiting:
             raise EngineBusyError(retry_after=1.0)
         mailbox = Mailbox()
         self._serial += 1
-        record = RequestRecord(rid, JobKey(self._serial), mailbox, time.perf_counter())
-        self._inflight[rid] = record
+        record = RequestRecord(request_id, JobKey(self._serial), mailbox, time.perf_counter())
+        self._inflight[request_id] = record
         self._by_key[record.key] = record
         try:
             job, downgraded = await trio.to_thread.run_sync(
@@ -421,14 +421,14 @@ class Engine:
                 self._worker.submit(job)
             yield ChatStream(
                 id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
-                model=request.model or self.model_id, request_id=rid, mailbox=mailbox,
+                model=request.model or self.model_id, request_id=request_id, mailbox=mailbox,
                 prompt_tokens=len(job.prompt), grammar_downgraded=downgraded,
             )
         finally:
             if record.on_thread and self._worker is not None:
                 record.state = RequestState.DROPPED
                 self._worker.drop(record.key)
-            self._inflight.pop(rid, None)
+            self._inflight.pop(request_id, None)
             self._by_key.pop(record.key, None)
             mailbox.close()
 

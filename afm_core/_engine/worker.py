@@ -103,7 +103,7 @@ class Worker:
         self.model_key = model_key
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.stats = WorkerStats()
-        self.jobs: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
+        self.by_uid: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
         self.logprob_uids: set[int] = set()  # uids of the rows whose log-probabilities are read
         self.by_key: dict[JobKey, Job] = {}  # every job the thread holds, by the engine's key
         self.synced: list[Callable[[], None]] = []  # Sync callbacks due after this iteration's step
@@ -181,7 +181,7 @@ class Worker:
             err = StreamError(f"generation failed: {exc}", code="generation_failed")
             outputs[job.key] = Delivery((err,), True)
         self.by_key.clear()
-        self.jobs.clear()
+        self.by_uid.clear()
         if outputs:
             self.post(outputs)
 
@@ -278,7 +278,7 @@ class Worker:
             outputs[job.key] = Delivery((StreamError(f"could not start generation: {exc}"),), True)
             return
         job.uid = uid = MlxUid(inserted)
-        self.jobs[uid] = job
+        self.by_uid[uid] = job
         if req.logprobs:
             self.logprob_uids.add(uid)
         self.by_key[job.key] = job
@@ -305,7 +305,7 @@ class Worker:
         active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
         pending: dict[JobKey, list[Event]] = {}
         for r in responses:
-            job = self.jobs.get(r.uid)
+            job = self.by_uid.get(r.uid)
             if job is None:
                 continue
             events = pending.setdefault(job.key, [])
@@ -319,7 +319,7 @@ class Worker:
                 self._advance(job, r, events, outputs, now, batch_size, active)
             except Exception as exc:  # one stream's fault ends only that stream
                 log.exception("stream processing failed")
-                if job.uid is not None and job.uid in self.jobs:
+                if job.uid is not None and job.uid in self.by_uid:
                     self._remove(job)
                 events.append(StreamError(f"stream processing failed: {exc}"))
                 outputs[job.key] = Delivery(tuple(events), True)
@@ -411,7 +411,7 @@ class Worker:
 
     def _forget(self, job: Job) -> None:
         if job.uid is not None:
-            self.jobs.pop(job.uid, None)
+            self.by_uid.pop(job.uid, None)
             self.logprob_uids.discard(job.uid)
         self.by_key.pop(job.key, None)
 
