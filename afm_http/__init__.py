@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from ._app import ServerConfig as ServerConfig
 from ._app import create_app as create_app
 from ._server import hypercorn_config as hypercorn_config
 from ._server import serve_engine as serve_engine
+from ._state import ServerConfig as ServerConfig
 
 __all__ = ["ServerConfig", "create_app", "hypercorn_config", "serve_engine"]

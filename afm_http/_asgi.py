@@ -19,7 +19,6 @@ runs the handler and sends the response.  When the reader sees
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ import trio
 from quart_trio import QuartTrio
 
 from ._ids import InFlight
+from ._state import AppState
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGISendCallable, ASGISendEvent
@@ -60,12 +60,20 @@ def _shield_final(send: ASGISendCallable) -> ASGISendCallable:
 class AFMQuart(QuartTrio):
     """QuartTrio with guaranteed per-request cleanup and a shielded final send.
 
+    ``afm_state`` is what the routes share (set by :func:`afm_http.create_app`);
     ``afm_inflight`` holds the request ids open with the engine and
-    ``afm_drain()`` cancels them (set by :func:`afm_http.create_app`).
+    ``afm_drain()`` cancels them.
     """
 
-    afm_inflight: InFlight
-    afm_drain: Callable[[], int]
+    afm_state: AppState
+
+    @property
+    def afm_inflight(self) -> InFlight:
+        return self.afm_state.inflight
+
+    def afm_drain(self) -> int:
+        """Cancel every request this app has open (see :meth:`AppState.drain`)."""
+        return self.afm_state.drain()
 
     async def asgi_app(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

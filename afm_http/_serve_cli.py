@@ -90,8 +90,8 @@ def _say(message: str) -> None:
 async def _main(args: argparse.Namespace) -> None:
     from afm_core import open_engine, resolve_model, runtime_info
 
-    from ._app import ServerConfig
     from ._server import serve_engine
+    from ._state import ServerConfig
 
     path = await trio.to_thread.run_sync(resolve_model, args.model)
     _say(f"loading {path}")

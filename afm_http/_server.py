@@ -16,7 +16,8 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from afm_core import Engine
 
-from ._app import ServerConfig, create_app
+from ._app import create_app
+from ._state import ServerConfig
 
 __all__ = ["GRACEFUL_SECONDS", "hypercorn_config", "serve_engine"]
 

@@ -11,8 +11,8 @@ import trio
 
 from afm_core import Engine, open_engine
 
-from ._app import ServerConfig
 from ._server import serve_engine
+from ._state import ServerConfig
 
 __all__ = ["running_server"]
 

@@ -52,3 +52,21 @@ async def test_disconnect_before_body_iteration_leaves_the_engine(echo_model_dir
         stats = engine.statistics()
         assert stats.requests_active == 0
         assert engine.cancel("gone-early") is False
+        assert len(app.afm_inflight) == 0 and app.afm_drain() == 0
+
+
+async def test_route_table(echo_model_dir: Path) -> None:
+    """Every route module registered its rules, with the methods quart derives from them."""
+    async with open_engine(echo_model_dir) as engine:
+        app = create_app(engine)
+        rules = {(r.rule, frozenset(r.methods or ())) for r in app.url_map.iter_rules()
+                 if r.endpoint != "static"}
+    get, post = frozenset({"GET", "HEAD", "OPTIONS"}), frozenset({"POST", "OPTIONS"})
+    assert rules == {
+        ("/v1/chat/completions", post),
+        ("/v1/chat/completions/<path:target>/cancel", post),
+        ("/v1/models", get),
+        ("/v1/models/<path:model_id>", get),
+        ("/health", get),
+        ("/metrics", get),
+    }

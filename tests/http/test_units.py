@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 import afm_http
 from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamError
 from afm_core._mlx.blas import BlasInfo
-from afm_http._app import _authorized, _profile_mode
 from afm_http._body import parse_json
 from afm_http._errors import from_exception
 from afm_http._ids import MAX_ID_LENGTH, client_request_id, mint_request_id, valid_request_id
 from afm_http._json import dumps
 from afm_http._metrics import escape_label, render
+from afm_http._middleware import _authorized
+from afm_http._routes.chat import _profile_mode
 from afm_http._serve_cli import describe_blas
 
 

@@ -1,0 +1,98 @@
+"""What every route gets: request ids, the API key check, response headers
+(ids, CORS, ``nosniff``, ``Connection: close`` after an unread body), the
+status counts behind ``/metrics``, and the OpenAI error envelope for every
+failure raised before a response began.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from quart import Response, request
+from werkzeug.exceptions import HTTPException
+
+from afm_core import AFMError
+
+from ._asgi import AFMQuart
+from ._errors import error_response, from_exception, from_http_exception
+from ._ids import ID_RULE, client_request_id
+from ._request import body_was_read, request_id_or_none, sent_a_body, set_request_id
+from ._state import current_state
+
+__all__ = ["CORS_ALLOW_HEADERS", "CORS_EXPOSE_HEADERS", "install"]
+
+log = logging.getLogger("afm.http")
+
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Request-ID, X-AFM-Profile"
+CORS_EXPOSE_HEADERS = "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, Retry-After"
+
+
+def install(app: AFMQuart) -> None:
+    """Register the request hooks and error handlers on ``app``."""
+    app.before_request(_prepare)
+    app.after_request(_finish)
+    app.errorhandler(AFMError)(_afm_error)
+    app.errorhandler(Exception)(_bug)
+
+
+def _authorized(header: str | None, api_key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    supplied = token.strip().encode("utf-8", "surrogateescape")
+    # compare_digest runs in time independent of where the strings differ
+    return hmac.compare_digest(supplied, api_key.encode("utf-8")) and scheme.lower() == "bearer"
+
+
+async def _prepare() -> Response | None:
+    rid, valid = client_request_id(request.headers.get("X-Request-ID"))
+    set_request_id(rid)
+    if request.method == "OPTIONS":  # CORS preflight never carries credentials
+        return None
+    api_key = current_state().config.api_key
+    if api_key is not None and request.path != "/health" \
+            and not _authorized(request.headers.get("Authorization"), api_key):
+        return error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                              type="authentication_error", code="invalid_api_key")
+    if not valid:
+        return error_response(400, f"X-Request-ID must be {ID_RULE}", param="X-Request-ID",
+                              code="invalid_request_id")
+    return None
+
+
+async def _finish(response: Response) -> Response:
+    state = current_state()
+    cors_origins = state.config.cors_origins
+    rid = request_id_or_none() or client_request_id(None)[0]
+    response.headers["X-Request-ID"] = rid
+    response.headers["OpenAI-Request-ID"] = rid
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    origin = request.headers.get("Origin")
+    if cors_origins and origin and ("*" in cors_origins or origin in cors_origins):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Allow-Headers"] = CORS_ALLOW_HEADERS
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+        response.headers["Access-Control-Max-Age"] = "600"
+        response.headers["Vary"] = "Origin"
+    if not body_was_read() and sent_a_body() and request.http_version.startswith("1"):
+        # answered without reading the request body (an early 400/401, a 404): hypercorn
+        # cannot reuse the connection and closes it after this response.  Say so, or a
+        # client that reuses it sees it vanish ("disconnected without a response")
+        response.headers["Connection"] = "close"
+    state.statuses[response.status_code] += 1
+    return response
+
+
+async def _afm_error(exc: AFMError) -> Response:
+    if exc.status >= 500:
+        log.warning("request %s: %s", request_id_or_none(), exc.message)
+    return from_exception(exc)
+
+
+async def _bug(exc: Exception) -> Response:
+    if isinstance(exc, HTTPException):
+        return from_http_exception(exc, max_body_bytes=current_state().config.max_body_bytes)
+    if isinstance(exc, AFMError):
+        return from_exception(exc)
+    log.exception("request %s: unhandled error", request_id_or_none())
+    return error_response(500, "internal server error", type="server_error", code="internal_error")

@@ -1,0 +1,60 @@
+"""Per-request values (kept in quart's ``g``) and reading the request body.
+
+The middleware sets the request id before any route runs; routes read the
+body through :func:`read_json`, which notes that the body was read (a
+response to an unread body must close the connection, see ``_middleware``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import g, request
+
+from afm_core import RequestError
+
+from ._body import parse_json
+from ._state import current_state
+
+__all__ = ["body_was_read", "read_json", "request_id", "request_id_or_none", "sent_a_body",
+           "set_request_id"]
+
+
+def set_request_id(rid: str) -> None:
+    """Record the current request's id (done first, by the middleware)."""
+    g.afm_request_id = rid
+
+
+def request_id() -> str:
+    """The current request's id (a valid client ``X-Request-ID``, or minted)."""
+    rid: str = g.afm_request_id
+    return rid
+
+
+def request_id_or_none() -> str | None:
+    """The current request's id, or None if the request failed before it was set."""
+    rid: str | None = g.get("afm_request_id")
+    return rid
+
+
+async def read_json() -> Any:
+    """The request body as JSON (413 past ``max_body_bytes``, 400 unless valid JSON)."""
+    cfg = current_state().config
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        raise RequestError(f"the request body exceeds {cfg.max_body_bytes} bytes", status=413,
+                           code="request_too_large")
+    raw = await request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
+    g.afm_body_read = True
+    return parse_json(raw, max_depth=cfg.max_json_depth)
+
+
+def body_was_read() -> bool:
+    """Whether a route read the request body (through :func:`read_json`)."""
+    return bool(g.get("afm_body_read"))
+
+
+def sent_a_body() -> bool:
+    """Whether the current request carries a body (a length above 0, or chunked)."""
+    if request.content_length:
+        return True
+    return "chunked" in request.headers.get("Transfer-Encoding", "").lower()

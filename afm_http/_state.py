@@ -1,0 +1,58 @@
+"""What one app's routes share: its options and its per-app state.
+
+:class:`ServerConfig` holds the HTTP-layer options (the engine has its own
+``EngineConfig``); :class:`AppState` is the one object a route or middleware
+reaches for the engine, the options, the request ids open with the engine and
+the response counts.  :func:`current_state` finds it for the request being
+handled, so handlers are plain module-level functions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from quart import current_app
+
+from afm_core import Engine
+
+from ._body import MAX_DEPTH
+from ._ids import InFlight
+
+if TYPE_CHECKING:
+    from ._asgi import AFMQuart
+
+__all__ = ["AppState", "ServerConfig", "current_state"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP-layer options (the engine has its own :class:`EngineConfig`)."""
+
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20
+    max_json_depth: int = MAX_DEPTH
+    body_timeout: float = 60.0
+
+
+@dataclass(eq=False, slots=True)
+class AppState:
+    """One app's shared state (set by :func:`afm_http.create_app`)."""
+
+    engine: Engine
+    config: ServerConfig
+    inflight: InFlight = field(default_factory=InFlight)
+    """Request ids this app has open with the engine (cancelled at shutdown)."""
+    statuses: Counter[int] = field(default_factory=Counter)
+    """Responses sent, by status code (for ``/metrics``)."""
+
+    def drain(self) -> int:
+        """Cancel every request this app has open; each stream ends "cancelled", then [DONE]."""
+        return sum(self.engine.cancel(rid) for rid in self.inflight.ids())
+
+
+def current_state() -> AppState:
+    """The state of the app handling the current request."""
+    return cast("AFMQuart", current_app).afm_state
