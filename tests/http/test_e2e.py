@@ -235,9 +235,18 @@ async def test_client_disconnect_frees_slot(echo_model_dir: Path) -> None:
         with trio.fail_after(10):
             while engine.statistics().running or engine.statistics().requests_active:
                 await trio.sleep(0.01)
-        steps = engine.statistics().steps
-        await trio.sleep(0.2)
-        assert engine.statistics().steps == steps
+        abandoned = engine.statistics()
+        assert abandoned.generation_tokens < 5000  # it did not run to its end
+        # the abandoned stream left the batch: while a probe request runs to its end, the
+        # probe's tokens are all the engine generates (a stream still decoding would add its own)
+        async with httpx.AsyncClient(base_url=url) as c:
+            probe = (await c.post(CHAT, json=body("probe " * 20))).json()
+        after = engine.statistics()
+        assert probe["choices"][0]["finish_reason"] == "stop"
+        assert after.generation_tokens - abandoned.generation_tokens == \
+            probe["usage"]["completion_tokens"] > 0
+        assert after.running == after.requests_active == 0
+        assert after.finished == {**abandoned.finished, "stop": abandoned.finished.get("stop", 0) + 1}
 
 
 async def test_32_concurrent_streams(echo_model_dir: Path) -> None:
