@@ -5,8 +5,9 @@ Owns: the decode batch and padding-free prefill built on mlx-lm's
 :mod:`.prefill`), the prefix-cache index over mlx-lm's ``PromptTrie``
 (:mod:`.prefix_cache`), fused CPU kernels and matmul-friendly weights
 (:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
-(:mod:`.qmatmul`) and the optimized BLAS bound under ``libmlx``
-(:mod:`.blas`, loaded first of all by ``import afm_core``).
+(:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
+(:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
+Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`).
 
 **The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
 ``mlx==0.32.4`` exactly, because the modules here subclass or read private

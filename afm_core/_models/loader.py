@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ModelLoadError
+from .._mlx.tokenizer import hf_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ def load(path: Path) -> tuple[Any, Any, ModelInfo]:
 
 def describe(path: Path, tokenizer: Any) -> ModelInfo:
     config = json.loads((path / "config.json").read_text())
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     template = getattr(hf, "chat_template", None) or ""
     if not isinstance(template, str):
         template = str(template)
