@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,14 +22,7 @@ from afm_core._stream.events import (
     Usage,
 )
 from afm_core._stream.sse_py import SSEEncoder
-
-C = importlib.import_module("afm_core._stream.accumulate_c")
-PY = importlib.import_module("afm_core._stream.accumulate_py")
-
-
-@pytest.fixture(params=["c", "py"])
-def mod(request: pytest.FixtureRequest) -> ModuleType:
-    return C if request.param == "c" else PY
+from tests.stream.helpers import PY, TWINSETS, C, TwinSet, random_split
 
 
 def sse(*objs: Any) -> bytes:
@@ -90,48 +81,48 @@ SPEC_RESULT = {
 }
 
 
-def test_spec_stream(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_spec_stream(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_bytes(SPEC_STREAM)
     acc.close()
     assert acc.result() == SPEC_RESULT
     assert acc.parse_tool_arguments() == [{"path": "README.md"}, {}]
 
 
-def test_crlf_comments_and_multiline_data(mod: ModuleType) -> None:
+def test_crlf_comments_and_multiline_data(twin: TwinSet) -> None:
     body = (
         b": keep-alive\r\n\r\nevent: message\r\nid: 1\r\ndata: {\"choices\":[{\"index\":0,\r\n"
         b"data: \"delta\":{\"content\":\"x\"}}]}\r\n\r\ndata:[DONE]\r\n\r\n"
     )
     for step in (1, 2, 3, len(body)):
-        acc = mod.ChunkAccumulator()
+        acc = twin.accumulate.ChunkAccumulator()
         for i in range(0, len(body), step):
             acc.feed(body[i : i + step])
         acc.close()
         assert acc.result()["choices"][0]["message"]["content"] == "x"
 
 
-def test_lone_cr_line_endings(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_lone_cr_line_endings(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     for piece in (b'data: {"choices":[{"delta":{"content":"y"}}]}\r', b"\r", b"data: [DONE]\r", b"\n", b"\r"):
         acc.feed_bytes(piece)
     acc.close()
     assert acc.result()["choices"][0]["message"]["content"] == "y"
 
 
-def test_data_after_done_is_a_protocol_error(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_data_after_done_is_a_protocol_error(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_bytes(sse(choice({"content": "a"}), b"[DONE]") + b": comment\n\n")
     with pytest.raises(StreamProtocolError, match="after"):
         acc.feed_bytes(sse(choice({"content": "b"})))
-    acc = mod.ChunkAccumulator()
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_done()
     with pytest.raises(StreamProtocolError):
         acc.feed_done()
 
 
-def test_missing_done_and_early_result(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_missing_done_and_early_result(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_bytes(sse(choice({"content": "a"})))
     with pytest.raises(StreamProtocolError, match="DONE"):
         acc.result()
@@ -141,8 +132,8 @@ def test_missing_done_and_early_result(mod: ModuleType) -> None:
         acc.close()
 
 
-def test_error_chunk_raises(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_error_chunk_raises(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_bytes(sse(choice({"content": "a"})))
     err = {"message": "boom", "type": "server_error", "param": None, "code": "generation_failed"}
     with pytest.raises(StreamErrorChunk) as info:
@@ -150,7 +141,7 @@ def test_error_chunk_raises(mod: ModuleType) -> None:
     assert info.value.error == err and info.value.code == "generation_failed"
     assert str(info.value) == "boom"
     with pytest.raises(StreamErrorChunk, match="plain"):
-        mod.ChunkAccumulator().feed_chunk({"error": "plain"})
+        twin.accumulate.ChunkAccumulator().feed_chunk({"error": "plain"})
 
 
 @pytest.mark.parametrize(
@@ -168,13 +159,13 @@ def test_error_chunk_raises(mod: ModuleType) -> None:
         b"data: \xff\n\n",
     ],
 )
-def test_malformed_chunks(mod: ModuleType, bad: bytes) -> None:
+def test_malformed_chunks(twin: TwinSet, bad: bytes) -> None:
     with pytest.raises(StreamProtocolError):
-        mod.ChunkAccumulator().feed_bytes(bad)
+        twin.accumulate.ChunkAccumulator().feed_bytes(bad)
 
 
-def test_invalid_tool_arguments_fail_validation_only(mod: ModuleType) -> None:
-    acc = mod.ChunkAccumulator()
+def test_invalid_tool_arguments_fail_validation_only(twin: TwinSet) -> None:
+    acc = twin.accumulate.ChunkAccumulator()
     acc.feed_chunk(choice({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":'}}]}))
     acc.feed_done()
     assert acc.result()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"a":'
@@ -182,17 +173,17 @@ def test_invalid_tool_arguments_fail_validation_only(mod: ModuleType) -> None:
         acc.parse_tool_arguments()
 
 
-def test_accumulate_helper(mod: ModuleType) -> None:
-    assert mod.accumulate([SPEC_STREAM[:50], SPEC_STREAM[50:]]) == SPEC_RESULT
-    out = mod.accumulate([choice({"content": "a"}), choice({}, "stop")])
+def test_accumulate_helper(twin: TwinSet) -> None:
+    assert twin.accumulate.accumulate([SPEC_STREAM[:50], SPEC_STREAM[50:]]) == SPEC_RESULT
+    out = twin.accumulate.accumulate([choice({"content": "a"}), choice({}, "stop")])
     assert out["choices"][0]["message"]["content"] == "a"
     assert out["choices"][0]["message"]["reasoning_content"] is None
     with pytest.raises(StreamProtocolError):
-        mod.accumulate([SPEC_STREAM[:-14]])
+        twin.accumulate.accumulate([SPEC_STREAM[:-14]])
 
 
-def test_multiple_choices(mod: ModuleType) -> None:
-    out = mod.accumulate([choice({"content": "b"}, index=1), choice({"content": "a"}), choice({}, "stop", 1)])
+def test_multiple_choices(twin: TwinSet) -> None:
+    out = twin.accumulate.accumulate([choice({"content": "b"}, index=1), choice({"content": "a"}), choice({}, "stop", 1)])
     assert [c["message"]["content"] for c in out["choices"]] == ["a", "b"]
     assert [c["finish_reason"] for c in out["choices"]] == [None, "stop"]
 
@@ -241,15 +232,14 @@ def expected_result() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("sse_twin", ["c", "py"])
-def test_round_trip_bytes_and_dicts(mod: ModuleType, sse_twin: str) -> None:
-    sse_mod = importlib.import_module(f"afm_core._stream.sse_{sse_twin}")
-    enc = sse_mod.SSEEncoder("chatcmpl-rt", 7, "afm/m")
+@pytest.mark.parametrize("encoder", TWINSETS, ids=repr)
+def test_round_trip_bytes_and_dicts(twin: TwinSet, encoder: TwinSet) -> None:
+    enc = encoder.sse.SSEEncoder("chatcmpl-rt", 7, "afm/m")
     body = enc.encode_many(EVENTS) + enc.done()
-    assert mod.accumulate([body]) == expected_result()
+    assert twin.accumulate.accumulate([body]) == expected_result()
     # The non-streaming path: chunk dicts, no bytes.
-    enc = sse_mod.SSEEncoder("chatcmpl-rt", 7, "afm/m")
-    acc = mod.ChunkAccumulator()
+    enc = encoder.sse.SSEEncoder("chatcmpl-rt", 7, "afm/m")
+    acc = twin.accumulate.ChunkAccumulator()
     for chunk in enc.chunks(EVENTS):
         acc.feed_chunk(chunk)
     acc.feed_done()
@@ -257,11 +247,11 @@ def test_round_trip_bytes_and_dicts(mod: ModuleType, sse_twin: str) -> None:
     assert acc.parse_tool_arguments() == [{"path": "README.md"}, {}]
 
 
-def test_round_trip_error_event(mod: ModuleType) -> None:
+def test_round_trip_error_event(twin: TwinSet) -> None:
     enc = SSEEncoder("chatcmpl-e", 1, "m")
     body = enc.encode_many([ContentDelta("x"), StreamFailure("oom", code="generation_failed")]) + enc.done()
     with pytest.raises(StreamErrorChunk, match="oom"):
-        mod.accumulate([body])
+        twin.accumulate.accumulate([body])
 
 
 # -- Hypothesis: random byte boundaries, both twins ------------------------------
@@ -275,8 +265,8 @@ event = st.one_of(
 )
 
 
-def outcome(mod: ModuleType, parts: list[bytes]) -> Any:
-    acc = mod.ChunkAccumulator()
+def outcome(twin: TwinSet, parts: list[bytes]) -> Any:
+    acc = twin.accumulate.ChunkAccumulator()
     try:
         for part in parts:
             acc.feed_bytes(part)
@@ -287,14 +277,13 @@ def outcome(mod: ModuleType, parts: list[bytes]) -> Any:
 
 
 @settings(max_examples=200, deadline=None)
-@given(events=st.lists(event, max_size=12), cuts=st.lists(st.integers(0, 10**5), max_size=10), junk=st.booleans())
-def test_twins_agree_on_random_boundaries(events: list[Any], cuts: list[int], junk: bool) -> None:
+@given(events=st.lists(event, max_size=12), data=st.data(), junk=st.booleans())
+def test_twins_agree_on_random_boundaries(events: list[Any], data: st.DataObject, junk: bool) -> None:
     enc = SSEEncoder("chatcmpl-h", 1, "m")
     body = enc.encode_many([*events, Finish("stop")]) + enc.done()
     if junk:
         body += b'data: {"late": true}\n\n'
-    bounds = sorted({c % (len(body) + 1) for c in cuts})
-    parts = [body[a:b] for a, b in zip([0, *bounds], [*bounds, len(body)], strict=True)]
+    parts = random_split(data, body, 10)
     c, py = outcome(C, parts), outcome(PY, parts)
     assert c == py
     if junk:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,8 +12,7 @@ from hypothesis import strategies as st
 from afm_core._errors import UnsupportedDecoderError
 from afm_core._stream.detok_tables import DecoderTables
 from tests.stream import tokenizers as toks
-
-TWINS = ("c", "py")
+from tests.stream.helpers import PY, C, TwinSet
 
 TOKENIZERS: dict[str, Callable[[], Any]] = {
     "byte_level": toks.byte_level,
@@ -46,25 +43,20 @@ def load(name: str, skip: bool = True) -> tuple[Any, DecoderTables]:
     return _cache[key]
 
 
-@pytest.fixture(params=TWINS)
-def detok(request: pytest.FixtureRequest) -> ModuleType:
-    return importlib.import_module(f"afm_core._stream.detok_{request.param}")
-
-
-def stream(mod: ModuleType, tables: DecoderTables, ids: list[int]) -> tuple[list[str], str]:
-    d = mod.IncrementalDetokenizer(tables)
+def stream(twin: TwinSet, tables: DecoderTables, ids: list[int]) -> tuple[list[str], str]:
+    d = twin.detok.IncrementalDetokenizer(tables)
     deltas = [d.feed(i) for i in ids]
     return deltas, d.flush()
 
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
-def test_every_prefix_matches_decode(detok: ModuleType, name: str, skip: bool) -> None:
+def test_every_prefix_matches_decode(twin: TwinSet, name: str, skip: bool) -> None:
     tok, tables = load(name, skip)
     for text in SAMPLES:
         ids = tok.encode(text).ids
         for k in range(len(ids) + 1):
-            deltas, rest = stream(detok, tables, ids[:k])
+            deltas, rest = stream(twin, tables, ids[:k])
             assert "".join(deltas) + rest == tok.decode(ids[:k], skip_special_tokens=skip)
 
 
@@ -76,10 +68,10 @@ def test_samples_really_split_characters() -> None:
 
 
 @pytest.mark.parametrize("name", ["byte_level", "byte_level_256"])
-def test_byte_level_holds_back_only_incomplete_utf8(detok: ModuleType, name: str) -> None:
+def test_byte_level_holds_back_only_incomplete_utf8(twin: TwinSet, name: str) -> None:
     tok, tables = load(name)
     ids = tok.encode("a中b").ids
-    d = detok.IncrementalDetokenizer(tables)
+    d = twin.detok.IncrementalDetokenizer(tables)
     out = [d.feed(i) for i in ids]
     assert "".join(out) == "a中b"
     # Each delta is emitted as soon as its characters are complete.
@@ -89,12 +81,12 @@ def test_byte_level_holds_back_only_incomplete_utf8(detok: ModuleType, name: str
         assert tok.decode(ids[: k + 1]).rstrip("\ufffd") == text
 
 
-def test_byte_level_invalid_bytes_become_replacement(detok: ModuleType) -> None:
+def test_byte_level_invalid_bytes_become_replacement(twin: TwinSet) -> None:
     tok, tables = load("byte_level_256")
     vocab = tok.get_vocab()
     mapping = {v: k for k, v in toks_byte_map().items()}
     ids = [vocab[mapping[b]] for b in b"\xe4\xb8A\xff\xf0\x9f\x98"]
-    deltas, rest = stream(detok, tables, ids)
+    deltas, rest = stream(twin, tables, ids)
     assert deltas[2] == "\ufffdA" and deltas[3] == "\ufffd"
     assert "".join(deltas) + rest == tok.decode(ids) == "\ufffdA\ufffd\ufffd"
 
@@ -105,10 +97,10 @@ def toks_byte_map() -> dict[str, int]:
     return byte_decoder()
 
 
-def test_spm_byte_run_is_held_until_a_text_token(detok: ModuleType) -> None:
+def test_spm_byte_run_is_held_until_a_text_token(twin: TwinSet) -> None:
     tok, tables = load("spm_llama")
     ids = tok.encode("a 中文 b").ids
-    d = detok.IncrementalDetokenizer(tables)
+    d = twin.detok.IncrementalDetokenizer(tables)
     out = [d.feed(i) for i in ids]
     pieces = tok.encode("a 中文 b").tokens
     byte_positions = [k for k, t in enumerate(pieces) if t.startswith("<0x")]
@@ -116,43 +108,43 @@ def test_spm_byte_run_is_held_until_a_text_token(detok: ModuleType) -> None:
     assert "".join(out) + d.flush() == "a 中文 b"
 
 
-def test_spm_strip_applies_once_at_start(detok: ModuleType) -> None:
+def test_spm_strip_applies_once_at_start(twin: TwinSet) -> None:
     tok, tables = load("spm_llama")
     ids = tok.encode("x").ids
     spaces = [tok.token_to_id("▁")] * 2
     for seq in (spaces + ids, ids + spaces + ids, spaces):
-        deltas, rest = stream(detok, tables, seq)
+        deltas, rest = stream(twin, tables, seq)
         assert "".join(deltas) + rest == tok.decode(seq)
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
-def test_skip_special_tokens(detok: ModuleType, name: str) -> None:
+def test_skip_special_tokens(twin: TwinSet, name: str) -> None:
     tok, _ = load(name)
     ids = tok.encode("<|im_start|><think>x</think>y<|im_end|>").ids
-    kept = "".join(stream(detok, load(name, False)[1], ids)[0])
-    skipped = "".join(stream(detok, load(name, True)[1], ids)[0])
+    kept = "".join(stream(twin, load(name, False)[1], ids)[0])
+    skipped = "".join(stream(twin, load(name, True)[1], ids)[0])
     assert "<|im_end|>" in kept and "<|im_start|>" in kept
     assert "<|im_end|>" not in skipped and "<|im_start|>" not in skipped
     assert "<think>" in skipped and "</think>" in skipped
 
 
-def test_unknown_ids_are_dropped_like_decode(detok: ModuleType) -> None:
+def test_unknown_ids_are_dropped_like_decode(twin: TwinSet) -> None:
     tok, tables = load("byte_level")
     ids = [*tok.encode("ab").ids, 10**6, -1]
-    deltas, rest = stream(detok, tables, ids)
+    deltas, rest = stream(twin, tables, ids)
     assert "".join(deltas) + rest == "ab"
 
 
-def test_reset_and_feed_many(detok: ModuleType) -> None:
+def test_reset_and_feed_many(twin: TwinSet) -> None:
     tok, tables = load("spm_llama")
     ids = tok.encode(" x 中").ids
-    d = detok.IncrementalDetokenizer(tables)
+    d = twin.detok.IncrementalDetokenizer(tables)
     first = d.feed_many(ids) + d.flush()
     d.reset()
     assert d.feed_many(ids) + d.flush() == first == tok.decode(ids)
 
 
-def test_accepts_hf_and_mlx_lm_tokenizers(detok: ModuleType) -> None:
+def test_accepts_hf_and_mlx_lm_tokenizers(twin: TwinSet) -> None:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
@@ -160,7 +152,7 @@ def test_accepts_hf_and_mlx_lm_tokenizers(detok: ModuleType) -> None:
         hf = PreTrainedTokenizerFast(tokenizer_object=make(), eos_token="<|im_end|>")
         ids = hf.encode("héllo 中文 <think>😀</think>", add_special_tokens=False)
         for obj in (hf, TokenizerWrapper(hf)):
-            d = detok.IncrementalDetokenizer(obj, skip_special_tokens=False)
+            d = twin.detok.IncrementalDetokenizer(obj, skip_special_tokens=False)
             want = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             assert d.feed_many(ids) + d.flush() == want
 
@@ -194,8 +186,7 @@ def test_random_ids_twins_agree_with_decode(name: str, skip: bool, picks: list[i
     tok, tables = load(name, skip)
     size = len(tables.kinds)
     ids = [p % (size + 2) for p in picks]  # includes a couple of unknown ids
-    c = stream(importlib.import_module("afm_core._stream.detok_c"), tables, ids)
-    py = stream(importlib.import_module("afm_core._stream.detok_py"), tables, ids)
+    c, py = stream(C, tables, ids), stream(PY, tables, ids)
     assert c == py
     assert "".join(c[0]) + c[1] == tok.decode(ids, skip_special_tokens=skip)
 
@@ -205,7 +196,6 @@ def test_random_ids_twins_agree_with_decode(name: str, skip: bool, picks: list[i
 def test_random_text_roundtrip(name: str, text: str) -> None:
     tok, tables = load(name)
     ids = tok.encode(text).ids
-    c = stream(importlib.import_module("afm_core._stream.detok_c"), tables, ids)
-    py = stream(importlib.import_module("afm_core._stream.detok_py"), tables, ids)
+    c, py = stream(C, tables, ids), stream(PY, tables, ids)
     assert c == py
     assert "".join(c[0]) + c[1] == tok.decode(ids)

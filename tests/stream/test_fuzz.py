@@ -34,6 +34,7 @@ from afm_core._stream.request import ChatRequest
 from afm_core._stream.sse import SSEEncoder
 from afm_core._stream.structured import make_structured_output
 from afm_core._stream.toolcalls.registry import FORMATS, make_tool_tracker
+from tests.stream.helpers import random_split
 
 PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>",
           "<parameter=", "</parameter>", "[TOOL_CALLS]", "<|python_tag|>", "```json\n", "```", "\n",
@@ -48,11 +49,6 @@ TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type":
 FORMATS_ = [pytest.param(f, id=f) for f in FORMATS]
 
 core = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def splits(data: st.DataObject, text: str) -> list[str]:
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 def run_chain(pieces: list[str], *, fmt: str | None, tools: Any, parallel: bool,
@@ -98,7 +94,7 @@ def run_chain(pieces: list[str], *, fmt: str | None, tools: Any, parallel: bool,
 def test_arbitrary_text_through_the_whole_core(fmt: str | None, text: str, data: st.DataObject,
                                                parallel: bool, named: bool, started: bool, enabled: bool,
                                                rf: dict[str, Any] | None) -> None:
-    events, tracker = run_chain(splits(data, text), fmt=fmt, tools=TOOLS if named else None,
+    events, tracker = run_chain(random_split(data, text), fmt=fmt, tools=TOOLS if named else None,
                                 parallel=parallel, response_format=rf, started=started, enabled=enabled)
     for ev in events:
         assert type(ev) in (ContentDelta, ReasoningDelta, ToolCallDelta), ev
@@ -118,7 +114,7 @@ def test_arbitrary_text_through_the_whole_core(fmt: str | None, text: str, data:
     wire = enc.encode_many(events[:len(events) // 2]) + b"".join(enc.encode(e) for e in events[len(events) // 2:])
     wire += enc.done()
     acc = ChunkAccumulator()
-    for piece in splits(data, wire.decode("utf-8", "surrogatepass")):
+    for piece in random_split(data, wire.decode("utf-8", "surrogatepass")):
         acc.feed_bytes(piece.encode("utf-8", "surrogatepass"))
     assert acc.done
     msg = acc.result()["choices"][0]["message"]

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afm_core._stream.events import ContentDelta, ReasoningDelta
-
-C = importlib.import_module("afm_core._stream.reasoning_c")
-PY = importlib.import_module("afm_core._stream.reasoning_py")
+from tests.stream.helpers import PY, C, TwinSet, cuts, feed_all, split_at
 
 
-@pytest.fixture(params=["c", "py"])
-def mod(request: pytest.FixtureRequest) -> ModuleType:
-    return C if request.param == "c" else PY
-
-
-def run(mod: ModuleType, pieces: list[str], **kw: object) -> list[object]:
-    splitter = mod.ReasoningSplitter(**kw)
-    out: list[object] = []
-    for piece in pieces:
-        out.extend(splitter.feed(piece))
-    out.extend(splitter.flush())
-    return out
+def run(twin: TwinSet, pieces: list[str], **kw: object) -> list[object]:
+    return feed_all(twin.reasoning.ReasoningSplitter(**kw), pieces)
 
 
 def channels(events: list[object]) -> tuple[str, str]:
@@ -51,50 +36,50 @@ def reference(text: str, start: str, end: str, started: bool, enabled: bool) -> 
     return reasoning, before + after
 
 
-def test_basic_split(mod: ModuleType) -> None:
-    events = run(mod, ["<think>", "let me", " think", "</think>", "\n\nAnswer."])
+def test_basic_split(twin: TwinSet) -> None:
+    events = run(twin, ["<think>", "let me", " think", "</think>", "\n\nAnswer."])
     assert events == [ReasoningDelta("let me"), ReasoningDelta(" think"), ContentDelta("\n\nAnswer.")]
 
 
-def test_tags_split_across_deltas(mod: ModuleType) -> None:
-    events = run(mod, ["Hi <", "th", "ink>r", "ea", "son</t", "hink", ">done"])
+def test_tags_split_across_deltas(twin: TwinSet) -> None:
+    events = run(twin, ["Hi <", "th", "ink>r", "ea", "son</t", "hink", ">done"])
     assert channels(events) == ("reason", "Hi done")
     assert events[0] == ContentDelta("Hi ")
 
 
-def test_started_in_prompt(mod: ModuleType) -> None:
-    assert channels(run(mod, ["reasoning", "</think>", "answer"], started=True)) == (
+def test_started_in_prompt(twin: TwinSet) -> None:
+    assert channels(run(twin, ["reasoning", "</think>", "answer"], started=True)) == (
         "reasoning",
         "answer",
     )
     # A repeated start tag at the very beginning is dropped.
-    assert channels(run(mod, ["<thi", "nk>r</think>a"], started=True)) == ("r", "a")
+    assert channels(run(twin, ["<thi", "nk>r</think>a"], started=True)) == ("r", "a")
     # Elsewhere it is reasoning text.
-    assert channels(run(mod, ["x<think>r</think>a"], started=True)) == ("x<think>r", "a")
+    assert channels(run(twin, ["x<think>r</think>a"], started=True)) == ("x<think>r", "a")
 
 
-def test_disabled_passes_everything_through(mod: ModuleType) -> None:
-    events = run(mod, ["<think>", "x", "</think>y"], enabled=False)
+def test_disabled_passes_everything_through(twin: TwinSet) -> None:
+    events = run(twin, ["<think>", "x", "</think>y"], enabled=False)
     assert events == [ContentDelta("<think>"), ContentDelta("x"), ContentDelta("</think>y")]
 
 
-def test_only_first_block_and_stray_end(mod: ModuleType) -> None:
-    assert channels(run(mod, ["<think>a</think>b<think>c</think>"])) == (
+def test_only_first_block_and_stray_end(twin: TwinSet) -> None:
+    assert channels(run(twin, ["<think>a</think>b<think>c</think>"])) == (
         "a",
         "b<think>c</think>",
     )
-    assert channels(run(mod, ["a</think>b"])) == ("", "a</think>b")
+    assert channels(run(twin, ["a</think>b"])) == ("", "a</think>b")
 
 
-def test_custom_tags(mod: ModuleType) -> None:
+def test_custom_tags(twin: TwinSet) -> None:
     kw = {"start": "◁think▷", "end": "◁/think▷"}
-    assert channels(run(mod, ["◁thi", "nk▷deep◁/", "think▷ok"], **kw)) == ("deep", "ok")
+    assert channels(run(twin, ["◁thi", "nk▷deep◁/", "think▷ok"], **kw)) == ("deep", "ok")
     with pytest.raises(ValueError):
-        mod.ReasoningSplitter(start="", end="x")
+        twin.reasoning.ReasoningSplitter(start="", end="x")
 
 
-def test_holds_back_only_a_possible_tag_prefix(mod: ModuleType) -> None:
-    s = mod.ReasoningSplitter(started=True)
+def test_holds_back_only_a_possible_tag_prefix(twin: TwinSet) -> None:
+    s = twin.reasoning.ReasoningSplitter(started=True)
     assert s.feed("abc</th") == [ReasoningDelta("abc")]
     assert s.feed("is") == [ReasoningDelta("</this")]
     assert s.feed("x<") == [ReasoningDelta("x")]
@@ -103,22 +88,22 @@ def test_holds_back_only_a_possible_tag_prefix(mod: ModuleType) -> None:
     assert s.in_reasoning
 
 
-def test_partial_held_then_flushed(mod: ModuleType) -> None:
-    s = mod.ReasoningSplitter(started=True)
+def test_partial_held_then_flushed(twin: TwinSet) -> None:
+    s = twin.reasoning.ReasoningSplitter(started=True)
     assert s.feed("abc</") == [ReasoningDelta("abc")]
     assert s.flush() == [ReasoningDelta("</")]
-    s = mod.ReasoningSplitter()
+    s = twin.reasoning.ReasoningSplitter()
     assert s.feed("x <thi") == [ContentDelta("x ")]
     assert s.flush() == [ContentDelta("<thi")]
-    s = mod.ReasoningSplitter(started=True)
+    s = twin.reasoning.ReasoningSplitter(started=True)
     assert s.feed("<th") == []
     assert s.flush() == [ReasoningDelta("<th")]
 
 
-def test_empty_inputs(mod: ModuleType) -> None:
-    s = mod.ReasoningSplitter()
+def test_empty_inputs(twin: TwinSet) -> None:
+    s = twin.reasoning.ReasoningSplitter()
     assert s.feed("") == [] and s.flush() == []
-    assert mod.ReasoningSplitter(enabled=False).feed("") == []
+    assert twin.reasoning.ReasoningSplitter(enabled=False).feed("") == []
 
 
 # -- Hypothesis: random text, random boundaries ------------------------------
@@ -129,13 +114,7 @@ ALPHABET = st.sampled_from(["<", "/", ">", "t", "h", "i", "n", "k", "<think>", "
 @st.composite
 def split_text(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = "".join(draw(st.lists(ALPHABET, max_size=30)))
-    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    pieces, last = [], 0
-    for cut in cuts:
-        pieces.append(text[last:cut])
-        last = cut
-    pieces.append(text[last:])
-    return text, pieces
+    return text, split_at(text, draw(cuts(text, 8)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -153,7 +132,7 @@ def test_twins_agree_and_match_reference(data: tuple[str, list[str]], started: b
 @given(data=split_text(), started=st.booleans())
 def test_held_back_is_at_most_a_tag_prefix(data: tuple[str, list[str]], started: bool) -> None:
     _, pieces = data
-    s = PY.ReasoningSplitter(started=started)
+    s = PY.reasoning.ReasoningSplitter(started=started)
     for piece in pieces:
         s.feed(piece)
         held = s._held

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,18 +21,11 @@ from afm_core._stream.events import (
     TopLogprob,
     Usage,
 )
-
-C = importlib.import_module("afm_core._stream.sse_c")
-PY = importlib.import_module("afm_core._stream.sse_py")
+from tests.stream.helpers import PY, C, TwinSet
 
 
-@pytest.fixture(params=["c", "py"])
-def mod(request: pytest.FixtureRequest) -> ModuleType:
-    return C if request.param == "c" else PY
-
-
-def encoder(mod: ModuleType, **kw: Any) -> Any:
-    return mod.SSEEncoder("chatcmpl-abc", 1700000000, "afm/test", **kw)
+def encoder(twin: TwinSet, **kw: Any) -> Any:
+    return twin.sse.SSEEncoder("chatcmpl-abc", 1700000000, "afm/test", **kw)
 
 
 def frames(data: bytes) -> list[Any]:
@@ -55,25 +46,25 @@ TRICKY = ['a"b\\c', "\n\r\t\b\f\x00\x1f\x7f", "中文 😀 é", "\u2028\u2029", 
 
 
 @pytest.mark.parametrize("text", TRICKY)
-def test_content_frame_is_exactly_json_dumps(mod: ModuleType, text: str) -> None:
-    enc, ref = encoder(mod), encoder(mod)
+def test_content_frame_is_exactly_json_dumps(twin: TwinSet, text: str) -> None:
+    enc, ref = encoder(twin), encoder(twin)
     for event in (ContentDelta(text), ReasoningDelta(text), ContentDelta(text)):
         data = enc.encode(event)
         assert data == b"data: " + dumps(ref.chunk(event)) + b"\n\n"
 
 
-def test_lone_surrogates_do_not_crash(mod: ModuleType) -> None:
-    enc = encoder(mod)
+def test_lone_surrogates_do_not_crash(twin: TwinSet) -> None:
+    enc = encoder(twin)
     for text in ("\ud800", "a\udfffb", "\udc00\ud800"):
         (chunk,) = frames(enc.encode(ContentDelta(text)))
         assert chunk["choices"][0]["delta"]["content"] == text
     (chunk,) = frames(enc.encode(Profile({"k": "\ud800"})))
     assert chunk == {"afm_profile": {"k": "\ud800"}}
-    assert mod.escape_json_string("\ud800x") == b'"\\ud800x"'
+    assert twin.sse.escape_json_string("\ud800x") == b'"\\ud800x"'
 
 
-def test_chunk_shapes(mod: ModuleType) -> None:
-    enc = encoder(mod, system_fingerprint="fp_1")
+def test_chunk_shapes(twin: TwinSet) -> None:
+    enc = encoder(twin, system_fingerprint="fp_1")
     head = {
         "id": "chatcmpl-abc",
         "object": "chat.completion.chunk",
@@ -137,22 +128,22 @@ def test_chunk_shapes(mod: ModuleType) -> None:
         {"afm_profile": {"decode_tps": 50.0}},
         {"afm_profile_extended": {"summary": {}, "samples": []}},
     ]
-    assert enc.done() == mod.DONE == b"data: [DONE]\n\n"
+    assert enc.done() == twin.sse.DONE == b"data: [DONE]\n\n"
 
 
-def test_role_rides_on_the_first_choice_chunk(mod: ModuleType) -> None:
-    enc = encoder(mod)
+def test_role_rides_on_the_first_choice_chunk(twin: TwinSet) -> None:
+    enc = encoder(twin)
     (chunk,) = frames(enc.encode(Finish("stop")))
     assert chunk["choices"][0]["delta"] == {"role": "assistant"}
-    enc = encoder(mod)
+    enc = encoder(twin)
     (chunk,) = frames(enc.encode(ToolCallDelta(3, "x")))
     assert chunk["choices"][0]["delta"]["role"] == "assistant"
     (chunk,) = frames(enc.encode(ToolCallDelta(3, "y")))
     assert chunk["choices"][0]["delta"] == {"tool_calls": [{"index": 3, "function": {"arguments": "y"}}]}
 
 
-def test_error_chunk(mod: ModuleType) -> None:
-    (chunk,) = frames(encoder(mod).encode(StreamFailure("boom", code="generation_failed")))
+def test_error_chunk(twin: TwinSet) -> None:
+    (chunk,) = frames(encoder(twin).encode(StreamFailure("boom", code="generation_failed")))
     assert chunk["choices"] == []
     assert chunk["error"] == {
         "message": "boom",
@@ -162,9 +153,9 @@ def test_error_chunk(mod: ModuleType) -> None:
     }
 
 
-def test_logprobs_merge_and_clamp(mod: ModuleType) -> None:
+def test_logprobs_merge_and_clamp(twin: TwinSet) -> None:
     lp = LogprobsDelta((TokenLogprob("Hi", float("-inf"), (72, 105), (TopLogprob("Hi", -0.1, None),)),))
-    enc = encoder(mod)
+    enc = encoder(twin)
     merged = frames(enc.encode_many([ContentDelta("Hi"), lp, ContentDelta("!")]))
     assert len(merged) == 2
     first = merged[0]["choices"][0]
@@ -183,17 +174,17 @@ def test_logprobs_merge_and_clamp(mod: ModuleType) -> None:
     assert alone["choices"][0]["delta"] == {} and alone["choices"][0]["logprobs"]["content"]
 
 
-def test_encode_many_equals_concatenated_encode(mod: ModuleType) -> None:
+def test_encode_many_equals_concatenated_encode(twin: TwinSet) -> None:
     events = [ContentDelta("a"), ReasoningDelta("b"), ToolCallDelta(0, "c", id="call_x", name="n"), Finish("stop")]
-    a, b = encoder(mod), encoder(mod)
+    a, b = encoder(twin), encoder(twin)
     assert a.encode_many(events) == b"".join(b.encode(e) for e in events)
-    assert encoder(mod).encode_many(iter(events[:1])) == encoder(mod).encode(events[0])
-    assert encoder(mod).encode_many([]) == b""
+    assert encoder(twin).encode_many(iter(events[:1])) == encoder(twin).encode(events[0])
+    assert encoder(twin).encode_many([]) == b""
 
 
-def test_not_an_event(mod: ModuleType) -> None:
+def test_not_an_event(twin: TwinSet) -> None:
     with pytest.raises(TypeError):
-        encoder(mod).encode("text")  # type: ignore[arg-type]
+        encoder(twin).encode("text")  # type: ignore[arg-type]
 
 
 # -- Hypothesis: twins are byte-identical --------------------------------------
@@ -215,9 +206,9 @@ event = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(events=st.lists(event, max_size=8), fp=st.one_of(st.none(), text), model=text)
 def test_twins_identical_and_parse_back(events: list[Any], fp: str | None, model: str) -> None:
-    c = C.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
-    py = PY.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
-    ref = PY.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    c = C.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    py = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+    ref = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
     data = c.encode_many(events)
     assert data == py.encode_many(events)
     assert frames(data) == json.loads(json.dumps(ref.chunks(events), allow_nan=False))
@@ -238,10 +229,10 @@ def sdk_stream(body: bytes) -> Any:
     return Stream(cast_to=ChatCompletionChunk, response=response, client=client)
 
 
-def test_openai_sdk_parses_our_stream(mod: ModuleType) -> None:
+def test_openai_sdk_parses_our_stream(twin: TwinSet) -> None:
     from openai.types.chat import ChatCompletionChunk
 
-    enc = encoder(mod)
+    enc = encoder(twin)
     body = enc.encode_many(
         [
             ReasoningDelta("think"),
@@ -265,10 +256,10 @@ def test_openai_sdk_parses_our_stream(mod: ModuleType) -> None:
     assert chunks[5].choices == [] and chunks[5].usage.total_tokens == 8
 
 
-def test_openai_sdk_raises_on_error_chunk(mod: ModuleType) -> None:
+def test_openai_sdk_raises_on_error_chunk(twin: TwinSet) -> None:
     import openai
 
-    enc = encoder(mod)
+    enc = encoder(twin)
     body = enc.encode(ContentDelta("partial")) + enc.encode(StreamFailure("GPU fell over")) + enc.done()
     stream = sdk_stream(body)
     assert next(stream).choices[0].delta.content == "partial"

@@ -12,19 +12,16 @@ from hypothesis import strategies as st
 from afm_core._stream.events import ContentDelta
 from afm_core._stream.structured import StructuredOutput, StructuredResult, make_structured_output
 from afm_core._stream.structured_schema import validate
+from tests.stream.helpers import feed_all, random_split
 
 OBJ = {"type": "json_object"}
 PAYLOAD = '{\n  "name": "Ada",\n  "tags": ["x", "```not a fence"],\n  "n": 3\n}'
 
 
-def run(text: str, cuts: list[int] | None = None, fmt: dict[str, Any] = OBJ) -> tuple[str, StructuredResult]:
+def run(text: str | list[str], fmt: dict[str, Any] = OBJ) -> tuple[str, StructuredResult]:
+    """Feed ``text`` (one piece, or a list of pieces) and flush: the output and the result."""
     s = StructuredOutput(fmt)
-    events: list[ContentDelta] = []
-    last = 0
-    for c in [*sorted(set(cuts or [])), len(text)]:
-        events += s.feed(text[last:c])
-        last = c
-    events += s.flush()
+    events = feed_all(s, [text] if isinstance(text, str) else text)
     assert all(type(e) is ContentDelta and e.text for e in events)
     assert s.result is not None
     return "".join(e.text for e in events), s.result
@@ -119,15 +116,13 @@ TEXTS = [
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(TEXTS), st.data())
 def test_random_splits_match_one_shot(text: str, data: st.DataObject) -> None:
-    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
-    assert run(text, cuts) == run(text)
+    assert run(random_split(data, text, 30)) == run(text)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=" \n`{}[]\"a1:,json", max_size=40), st.data())
 def test_fuzz_split_independent(text: str, data: st.DataObject) -> None:
-    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
-    out, result = run(text, cuts)
+    out, result = run(random_split(data, text, 10))
     assert (out, result) == run(text)
     assert out == out.strip()  # never leading/trailing whitespace
     if not text.lstrip().startswith("`"):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from itertools import accumulate
-from types import ModuleType
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +16,8 @@ from afm_core._stream.toolcalls.registry import (
     make_tool_format,
     make_tool_tracker,
 )
-from tests.stream.tools_helpers import PY, TWINS, C, merged, run, tool, tracker
+from tests.stream.helpers import PY, C, TwinSet, each_boundary, random_split
+from tests.stream.tools_helpers import merged, run, tool, tracker
 
 TOOLS = [tool("get_weather"), tool("read_file")]
 HERMES = (
@@ -29,13 +28,8 @@ HERMES = (
 HERMES_ARGS = ['{"city": "Paris \\"FR\\"", "n": [1, {"a": "}"}], "u": "\\u00e9"}', '{"path":"README.md"}']
 
 
-@pytest.fixture(params=["c", "py"])
-def mod(request: pytest.FixtureRequest) -> ModuleType:
-    return TWINS[request.param]
-
-
-def test_hermes_one_shot(mod: ModuleType) -> None:
-    events, t = run(mod, "hermes", HERMES, tools=TOOLS)
+def test_hermes_one_shot(twin: TwinSet) -> None:
+    events, t = run(twin, "hermes", HERMES, tools=TOOLS)
     content, calls = merged(events)
     assert content == "Let me check.\ntail"  # the newline between the calls is layout
     assert [c["name"] for c in calls] == ["get_weather", "read_file"]
@@ -44,14 +38,14 @@ def test_hermes_one_shot(mod: ModuleType) -> None:
     assert t.saw_tool_call and t.calls == 2 and t.errors == []
 
 
-def test_first_fragment_then_arguments_only(mod: ModuleType) -> None:
-    events, _ = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+def test_first_fragment_then_arguments_only(twin: TwinSet) -> None:
+    events, _ = run(twin, "hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert events[0] == ToolCallDelta(0, "", "call_0", "f")
     assert all(e.id is None and e.name is None for e in events[1:])
 
 
-def test_arguments_stream_before_the_call_ends(mod: ModuleType) -> None:
-    t = tracker(mod, "hermes")
+def test_arguments_stream_before_the_call_ends(twin: TwinSet) -> None:
+    t = tracker(twin, "hermes")
     events = t.feed('<tool_call>{"name": "f", "arguments": {"text": "hello wor')
     assert events[0] == ToolCallDelta(0, "", "call_0", "f")
     assert "".join(e.arguments for e in events) == '{"text": "hello wor'
@@ -65,80 +59,80 @@ def test_default_ids_are_unique() -> None:
     assert a.startswith("call_") and a != b and len(a) > 10
 
 
-def test_name_after_arguments_is_buffered(mod: ModuleType) -> None:
+def test_name_after_arguments_is_buffered(twin: TwinSet) -> None:
     text = '<tool_call>{"arguments": {"x": [1, 2]}, "name": "f"}</tool_call>ok'
-    content, calls = merged(run(mod, "hermes", text)[0])
+    content, calls = merged(run(twin, "hermes", text)[0])
     assert content == "ok"
     assert calls == [{"id": "call_0", "name": "f", "arguments": '{"x": [1, 2]}'}]
 
 
-def test_arguments_as_json_string_are_unwrapped(mod: ModuleType) -> None:
+def test_arguments_as_json_string_are_unwrapped(twin: TwinSet) -> None:
     text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
-    _, calls = merged(run(mod, "hermes", text)[0])
+    _, calls = merged(run(twin, "hermes", text)[0])
     assert calls[0]["arguments"] == '{"a": 1}'
 
 
-def test_unknown_tool_is_content(mod: ModuleType) -> None:
+def test_unknown_tool_is_content(twin: TwinSet) -> None:
     text = 'a<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>b'
-    events, t = run(mod, "hermes", text, tools=TOOLS)
+    events, t = run(twin, "hermes", text, tools=TOOLS)
     assert merged(events) == (text, [])
     assert not t.saw_tool_call
 
 
-def test_not_a_call_object_is_content(mod: ModuleType) -> None:
+def test_not_a_call_object_is_content(twin: TwinSet) -> None:
     for text in ("<tool_call>hello</tool_call>", '<tool_call>{"x": 1}</tool_call>', "<tool_call>{"):
-        events, t = run(mod, "hermes", text)
+        events, t = run(twin, "hermes", text)
         assert merged(events) == (text, []), text
         assert not t.saw_tool_call
 
 
-def test_parallel_false_keeps_only_the_first_call(mod: ModuleType) -> None:
-    events, t = run(mod, "hermes", HERMES, tools=TOOLS, parallel_tool_calls=False)
+def test_parallel_false_keeps_only_the_first_call(twin: TwinSet) -> None:
+    events, t = run(twin, "hermes", HERMES, tools=TOOLS, parallel_tool_calls=False)
     content, calls = merged(events)
     assert content == "Let me check.\ntail"  # the newline between the calls is layout
     assert [c["name"] for c in calls] == ["get_weather"] and t.dropped == 1
 
 
-def test_layout_between_and_after_calls_is_not_content(mod: ModuleType) -> None:
+def test_layout_between_and_after_calls_is_not_content(twin: TwinSet) -> None:
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     for pieces in (["a\n", call, "\n", call, "\n \n"], ["a\n", call, "\n", " ", call],
                    ["a\n" + call + "\n\n" + call + "\n"]):
-        events, t = run(mod, "hermes", "".join(pieces), list(accumulate(map(len, pieces))))
+        events, t = run(twin, "hermes", pieces)
         assert merged(events)[0] == "a\n" and t.calls == 2, pieces
-    events, _ = run(mod, "hermes", call + "\n  then text \n" + call + " \n")
+    events, _ = run(twin, "hermes", call + "\n  then text \n" + call + " \n")
     assert merged(events)[0] == "\n  then text"  # whitespace before other text stays
 
 
-def test_unclosed_call_at_flush(mod: ModuleType) -> None:
-    events, t = run(mod, "hermes", 'x<tool_call>{"name": "f", "arguments": {"a": [1')
+def test_unclosed_call_at_flush(twin: TwinSet) -> None:
+    events, t = run(twin, "hermes", 'x<tool_call>{"name": "f", "arguments": {"a": [1')
     content, calls = merged(events)
     assert content == "x" and calls[0]["arguments"] == '{"a": [1'
     assert t.errors == [ToolCallFailure(0, "tool call arguments not finished at end of stream")]
     assert t.saw_tool_call
 
 
-def test_missing_end_tag_after_complete_arguments_is_fine(mod: ModuleType) -> None:
-    events, t = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}')
+def test_missing_end_tag_after_complete_arguments_is_fine(twin: TwinSet) -> None:
+    events, t = run(twin, "hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}')
     assert merged(events)[1][0]["arguments"] == '{"a": 1}' and t.errors == []
 
 
-def test_malformed_streamed_arguments_close_with_an_error(mod: ModuleType) -> None:
+def test_malformed_streamed_arguments_close_with_an_error(twin: TwinSet) -> None:
     text = '<tool_call>{"name": "f", "arguments": {"a": <oops>}}</tool_call>after'
-    events, t = run(mod, "hermes", text)
+    events, t = run(twin, "hermes", text)
     content, calls = merged(events)
     assert content == "after" and calls[0]["arguments"] == '{"a": '
     assert t.errors == [ToolCallFailure(0, "malformed tool call arguments")]
 
 
-def test_invalid_but_balanced_arguments_are_reported(mod: ModuleType) -> None:
-    _, t = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": [tru]}</tool_call>')
+def test_invalid_but_balanced_arguments_are_reported(twin: TwinSet) -> None:
+    _, t = run(twin, "hermes", '<tool_call>{"name": "f", "arguments": [tru]}</tool_call>')
     assert len(t.errors) == 1 and t.errors[0].index == 0
-    _, t = run(mod, "hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>')
+    _, t = run(twin, "hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>')
     assert t.errors == [ToolCallFailure(0, "arguments are not a JSON object")]
 
 
-def test_partial_start_tag_is_held_then_released(mod: ModuleType) -> None:
-    t = tracker(mod, "hermes")
+def test_partial_start_tag_is_held_then_released(twin: TwinSet) -> None:
+    t = tracker(twin, "hermes")
     assert t.feed("a <tool_") == [ContentDelta("a ")]
     assert t.feed("x") == [ContentDelta("<tool_x")]
     assert t.feed("<tool") == []
@@ -170,8 +164,8 @@ SCHEMA_TOOLS = [
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_one_shot_oracle(fmt: str, mod: ModuleType) -> None:
-    events, t = run(mod, fmt, CASES[fmt], tools=SCHEMA_TOOLS)
+def test_one_shot_oracle(fmt: str, twin: TwinSet) -> None:
+    events, t = run(twin, fmt, CASES[fmt], tools=SCHEMA_TOOLS)
     content, calls = merged(events)
     assert (content, [json.loads(c["arguments"]) for c in calls]) == EXPECTED[fmt]
     assert t.errors == [] and t.saw_tool_call
@@ -182,20 +176,20 @@ def test_one_shot_oracle(fmt: str, mod: ModuleType) -> None:
 @given(data=st.data())
 def test_random_splits_match_one_shot_and_twins_agree(fmt: str, data: st.DataObject) -> None:
     text = CASES[fmt]
-    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=60))
+    pieces = random_split(data, text, 60)
     one_shot = merged(run(PY, fmt, text, tools=SCHEMA_TOOLS)[0])
-    ev_c, t_c = run(C, fmt, text, cuts, tools=SCHEMA_TOOLS)
-    ev_py, t_py = run(PY, fmt, text, cuts, tools=SCHEMA_TOOLS)
+    ev_c, t_c = run(C, fmt, pieces, tools=SCHEMA_TOOLS)
+    ev_py, t_py = run(PY, fmt, pieces, tools=SCHEMA_TOOLS)
     assert ev_c == ev_py
     assert t_c.errors == t_py.errors == []
     assert merged(ev_c) == one_shot
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_token_by_token(fmt: str, mod: ModuleType) -> None:
+def test_token_by_token(fmt: str, twin: TwinSet) -> None:
     text = CASES[fmt]
-    events, _ = run(mod, fmt, text, list(range(len(text))), tools=SCHEMA_TOOLS)
-    assert merged(events) == merged(run(mod, fmt, text, tools=SCHEMA_TOOLS)[0])
+    events, _ = run(twin, fmt, each_boundary(text), tools=SCHEMA_TOOLS)
+    assert merged(events) == merged(run(twin, fmt, text, tools=SCHEMA_TOOLS)[0])
 
 
 FRAGMENTS = {
@@ -226,9 +220,9 @@ FUZZ_TOOLS = [
 @given(data=st.data())
 def test_fuzz_only_documented_outcomes(fmt: str, parallel: bool, data: st.DataObject) -> None:
     text = "".join(data.draw(st.lists(st.sampled_from(FRAGMENTS[fmt]), max_size=30)))
-    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=20))
-    ev_c, t_c = run(C, fmt, text, cuts, tools=FUZZ_TOOLS, parallel_tool_calls=parallel)
-    ev_py, t_py = run(PY, fmt, text, cuts, tools=FUZZ_TOOLS, parallel_tool_calls=parallel)
+    pieces = random_split(data, text, 20)
+    ev_c, t_c = run(C, fmt, pieces, tools=FUZZ_TOOLS, parallel_tool_calls=parallel)
+    ev_py, t_py = run(PY, fmt, pieces, tools=FUZZ_TOOLS, parallel_tool_calls=parallel)
     assert ev_c == ev_py
     assert t_c.errors == t_py.errors and t_c.dropped == t_py.dropped
     content, calls = merged(ev_c)  # checks fragment shape

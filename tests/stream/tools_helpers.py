@@ -1,18 +1,13 @@
-"""Shared helpers for the tool-call tracker tests (c and py twins)."""
+"""Shared helpers for the tool-call tracker tests (either twin: a ``TwinSet``)."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
-from types import ModuleType
 from typing import Any
 
 from afm_core._stream.events import ContentDelta, ToolCallDelta
 from afm_core._stream.toolcalls.registry import make_tool_tracker
-
-C = importlib.import_module("afm_core._stream.tools_c")
-PY = importlib.import_module("afm_core._stream.tools_py")
-TWINS = {"c": C, "py": PY}
+from tests.stream.helpers import TwinSet, feed_all
 
 
 def tool(name: str, properties: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -25,21 +20,15 @@ def ids() -> Any:
     return lambda: f"call_{next(counter)}"
 
 
-def tracker(mod: ModuleType, fmt: str, tools: Any = None, **kw: Any) -> Any:
-    return make_tool_tracker(fmt, tools=tools, impl=mod, id_factory=ids(), **kw)
+def tracker(twin: TwinSet, fmt: str, tools: Any = None, **kw: Any) -> Any:
+    return make_tool_tracker(fmt, tools=tools, impl=twin.tools, id_factory=ids(), **kw)
 
 
-def run(mod: ModuleType, fmt: str, text: str, cuts: list[int] | None = None,
-        tools: Any = None, **kw: Any) -> tuple[list[Any], Any]:
-    """Feed ``text`` split at ``cuts`` (None: one piece); events and the tracker."""
-    t = tracker(mod, fmt, tools, **kw)
-    events: list[Any] = []
-    last = 0
-    for c in [*sorted(set(cuts or [])), len(text)]:
-        events += t.feed(text[last:c])
-        last = c
-    events += t.flush()
-    return events, t
+def run(twin: TwinSet, fmt: str, text: str | list[str], tools: Any = None,
+        **kw: Any) -> tuple[list[Any], Any]:
+    """Feed ``text`` (one piece, or a list of pieces) and flush; the events and the tracker."""
+    t = tracker(twin, fmt, tools, **kw)
+    return feed_all(t, [text] if isinstance(text, str) else text), t
 
 
 def merged(events: list[Any]) -> tuple[str, list[dict[str, Any]]]:
