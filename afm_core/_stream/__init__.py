@@ -8,8 +8,8 @@ them, the SSE frame encoder and the client-side chunk accumulator.
 
 Everything here is pure and synchronous: ``feed(...) -> events`` and
 ``flush()``.  The hot stages have a Cython build (``ext/stream/X_c.pyx`` →
-``afm_core._stream.X_c``) and a typed pure twin (``X_py.py``); the dispatcher
-``X.py`` picks one (:mod:`.twins`).
+``afm_core._stream.X_c``, typed by the stub ``X_c.pyi``) and a typed pure twin
+(``X_py.py``); the dispatcher ``X.py`` picks one (:mod:`.twins`).
 
 May import: the standard library and :mod:`afm_core._errors`.  Never mlx,
 mlx-lm, trio, HTTP code, or ``afm_core._engine`` / ``_models`` / ``_mlx``

@@ -1,13 +1,24 @@
-"""Chunk accumulator: the Cython build unless disabled, else the pure twin."""
+"""Chunk accumulator: the Cython build unless disabled or absent, else the pure twin.
+
+How the twin is chosen, and what a broken build does: :mod:`.twins`.
+"""
 
 from __future__ import annotations
 
-from .twins import load_twin
+from .twins import NO_EXTENSIONS, build_unusable
 
-_impl = load_twin("afm_core._stream.accumulate_c", "afm_core._stream.accumulate_py")
-COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
+COMPILED = False  # whether the Cython build is in use
+if not NO_EXTENSIONS:
+    try:
+        from . import accumulate_c as _twin
+    except ImportError as exc:
+        build_unusable("afm_core._stream.accumulate_c", exc)
+    else:
+        COMPILED = True
+if not COMPILED:
+    from . import accumulate_py as _twin  # type: ignore[no-redef]
 
-ChunkAccumulator = _impl.ChunkAccumulator
-accumulate = _impl.accumulate
+ChunkAccumulator = _twin.ChunkAccumulator
+accumulate = _twin.accumulate
 
 __all__ = ["ChunkAccumulator", "accumulate"]

@@ -1,13 +1,24 @@
-"""Incremental detokenizer: the Cython build unless disabled, else the pure twin."""
+"""Incremental detokenizer: the Cython build unless disabled or absent, else the pure twin.
+
+How the twin is chosen, and what a broken build does: :mod:`.twins`.
+"""
 
 from __future__ import annotations
 
-from .twins import load_twin
+from .twins import NO_EXTENSIONS, build_unusable
 
-_impl = load_twin("afm_core._stream.detok_c", "afm_core._stream.detok_py")
-COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
+COMPILED = False  # whether the Cython build is in use
+if not NO_EXTENSIONS:
+    try:
+        from . import detok_c as _twin
+    except ImportError as exc:
+        build_unusable("afm_core._stream.detok_c", exc)
+    else:
+        COMPILED = True
+if not COMPILED:
+    from . import detok_py as _twin  # type: ignore[no-redef]
 
-DecoderTables = _impl.DecoderTables
-IncrementalDetokenizer = _impl.IncrementalDetokenizer
+DecoderTables = _twin.DecoderTables
+IncrementalDetokenizer = _twin.IncrementalDetokenizer
 
 __all__ = ["DecoderTables", "IncrementalDetokenizer"]

@@ -1,12 +1,23 @@
-"""Per-stream token pipeline: the Cython build unless disabled, else the pure twin."""
+"""Per-stream token pipeline: the Cython build unless disabled or absent, else the pure twin.
+
+How the twin is chosen, and what a broken build does: :mod:`.twins`.
+"""
 
 from __future__ import annotations
 
-from .twins import load_twin
+from .twins import NO_EXTENSIONS, build_unusable
 
-_impl = load_twin("afm_core._stream.pipeline_c", "afm_core._stream.pipeline_py")
-COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
+COMPILED = False  # whether the Cython build is in use
+if not NO_EXTENSIONS:
+    try:
+        from . import pipeline_c as _twin
+    except ImportError as exc:
+        build_unusable("afm_core._stream.pipeline_c", exc)
+    else:
+        COMPILED = True
+if not COMPILED:
+    from . import pipeline_py as _twin  # type: ignore[no-redef]
 
-StreamPipeline = _impl.StreamPipeline
+StreamPipeline = _twin.StreamPipeline
 
 __all__ = ["StreamPipeline"]

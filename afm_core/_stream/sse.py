@@ -1,16 +1,27 @@
-"""SSE frame encoder: the Cython build unless disabled, else the pure twin."""
+"""SSE frame encoder: the Cython build unless disabled or absent, else the pure twin.
+
+How the twin is chosen, and what a broken build does: :mod:`.twins`.
+"""
 
 from __future__ import annotations
 
-from .twins import load_twin
+from .twins import NO_EXTENSIONS, build_unusable
 
-_impl = load_twin("afm_core._stream.sse_c", "afm_core._stream.sse_py")
-COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
+COMPILED = False  # whether the Cython build is in use
+if not NO_EXTENSIONS:
+    try:
+        from . import sse_c as _twin
+    except ImportError as exc:
+        build_unusable("afm_core._stream.sse_c", exc)
+    else:
+        COMPILED = True
+if not COMPILED:
+    from . import sse_py as _twin  # type: ignore[no-redef]
 
-DONE = _impl.DONE
-SSEEncoder = _impl.SSEEncoder
-dumps = _impl.dumps
-escape_json_string = _impl.escape_json_string
-frame = _impl.frame
+DONE = _twin.DONE
+SSEEncoder = _twin.SSEEncoder
+dumps = _twin.dumps
+escape_json_string = _twin.escape_json_string
+frame = _twin.frame
 
 __all__ = ["DONE", "SSEEncoder", "dumps", "escape_json_string", "frame"]

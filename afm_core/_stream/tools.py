@@ -1,12 +1,23 @@
-"""Tool-call fragment tracker: the Cython build unless disabled, else the pure twin."""
+"""Tool-call fragment tracker: the Cython build unless disabled or absent, else the pure twin.
+
+How the twin is chosen, and what a broken build does: :mod:`.twins`.
+"""
 
 from __future__ import annotations
 
-from .twins import load_twin
+from .twins import NO_EXTENSIONS, build_unusable
 
-_impl = load_twin("afm_core._stream.tools_c", "afm_core._stream.tools_py")
-COMPILED: bool = _impl.__name__.endswith("_c")  # the Cython build is in use
+COMPILED = False  # whether the Cython build is in use
+if not NO_EXTENSIONS:
+    try:
+        from . import tools_c as _twin
+    except ImportError as exc:
+        build_unusable("afm_core._stream.tools_c", exc)
+    else:
+        COMPILED = True
+if not COMPILED:
+    from . import tools_py as _twin  # type: ignore[no-redef]
 
-ToolCallTracker = _impl.ToolCallTracker
+ToolCallTracker = _twin.ToolCallTracker
 
 __all__ = ["ToolCallTracker"]

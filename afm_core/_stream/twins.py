@@ -1,29 +1,62 @@
-"""Choose between a Cython accelerator and its pure-Python twin.
+"""When a dispatcher uses a Cython accelerator, and what a failed import says.
+
+Each dispatcher (``detok``, ``reasoning``, ``tools``, ``sse``, ``pipeline``,
+``accumulate``) imports its compiled module explicitly, as yarl's
+``_quoting.py`` does::
+
+    COMPILED = False
+    if not NO_EXTENSIONS:
+        try:
+            from . import detok_c as _twin
+        except ImportError as exc:
+            build_unusable("afm_core._stream.detok_c", exc)
+        else:
+            COMPILED = True
+    if not COMPILED:
+        from . import detok_py as _twin
+
+    IncrementalDetokenizer = _twin.IncrementalDetokenizer
+
+The stub ``detok_c.pyi`` types the compiled module, so mypy checks the
+dispatchers' callers against it (the pure twin is the API it mirrors:
+``tests/stream/test_twins.py`` compares them).  The module is imported as
+``from . import X_c`` rather than ``from .X_c import ...`` because
+import-linter, which sees no source for a compiled module, would otherwise
+count it as an import of ``afm_core`` itself.
 
 ``AFM_NO_EXTENSIONS=1`` forces the pure twins (the same variable makes
-``setup.py`` skip the build).  Otherwise the compiled module is imported and
-the twin is used only when the build is absent; ``tests/stream/test_twins.py``
-checks that the compiled build is what loads by default, so a broken build
-cannot fall back silently in CI.
+``setup.py`` skip the build).  A build that is absent (no file) falls back
+quietly; one that exists but does not import (stale or corrupt) is logged as
+a warning naming the module and the error, then falls back.
+``tests/stream/test_twins.py`` checks that the compiled build is what loads
+by default, so a missing build fails the tests rather than slowing the server.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
+import logging
 import os
-from types import ModuleType
+
+__all__ = ["NO_EXTENSIONS", "build_unusable"]
 
 NO_EXTENSIONS: bool = os.environ.get("AFM_NO_EXTENSIONS", "") not in ("", "0")
 
+log = logging.getLogger("afm.stream")
 
-def load_twin(c_module: str, py_module: str) -> ModuleType:
-    """Import ``c_module`` unless disabled or missing, else ``py_module``.
 
-    Both names are absolute (``afm_core._stream.detok_c``).
+def build_unusable(module: str, exc: ImportError) -> None:
+    """Importing ``module`` (``afm_core._stream.X_c``) raised ``exc``.
+
+    Quiet when there is no such module (not built); otherwise a warning,
+    since the pure twin ``X_py`` now runs in its place.
     """
-    if not NO_EXTENSIONS:
-        try:
-            return importlib.import_module(c_module)
-        except ImportError:
-            pass
-    return importlib.import_module(py_module)
+    if importlib.util.find_spec(module) is None:
+        return
+    log.warning(
+        "%s exists but does not import (%s: %s); using the pure-Python twin %s_py",
+        module,
+        type(exc).__name__,
+        exc,
+        module.removesuffix("_c"),
+    )
