@@ -2,24 +2,13 @@
 
 Each dispatcher (``detok``, ``reasoning``, ``tools``, ``sse``, ``pipeline``,
 ``accumulate``) imports its compiled module explicitly, as yarl's
-``_quoting.py`` does::
+``_quoting.py`` does (``detok.py`` shows the pattern): ``from . import
+X_c`` unless ``NO_EXTENSIONS``; on ``ImportError``, :func:`build_unusable`
+and ``from . import X_py``; ``COMPILED`` says which one runs.
 
-    COMPILED = False
-    if not NO_EXTENSIONS:
-        try:
-            from . import detok_c as _twin
-        except ImportError as exc:
-            build_unusable("afm_core._stream.detok_c", exc)
-        else:
-            COMPILED = True
-    if not COMPILED:
-        from . import detok_py as _twin
-
-    IncrementalDetokenizer = _twin.IncrementalDetokenizer
-
-The stub ``detok_c.pyi`` types the compiled module, so mypy checks the
-dispatchers' callers against it (the pure twin is the API it mirrors:
-``tests/stream/test_twins.py`` compares them).  The module is imported as
+A stub ``X_c.pyi`` beside each compiled module types it, so mypy checks the
+dispatchers' callers against it (it mirrors the pure twin's API;
+``tests/stream/test_twins.py`` compares the two).  The module is imported as
 ``from . import X_c`` rather than ``from .X_c import ...`` because
 import-linter, which sees no source for a compiled module, would otherwise
 count it as an import of ``afm_core`` itself.

@@ -52,6 +52,10 @@ def twin_module(stem: str, kind: str) -> ModuleType:
         pytest.skip(f"{name} is not built (python setup.py build_ext --inplace)")
 
 
+def _stage(stem: str) -> Any:
+    return property(lambda self: self.module(stem), doc=f"afm_core._stream.{stem}_c or _py")
+
+
 class TwinSet:
     """One twin, ``kind`` "c" or "py", of every accelerated stage."""
 
@@ -64,29 +68,12 @@ class TwinSet:
     def module(self, stem: str) -> ModuleType:
         return twin_module(stem, self.kind)
 
-    @property
-    def detok(self) -> ModuleType:
-        return self.module("detok")
-
-    @property
-    def reasoning(self) -> ModuleType:
-        return self.module("reasoning")
-
-    @property
-    def tools(self) -> ModuleType:
-        return self.module("tools")
-
-    @property
-    def sse(self) -> ModuleType:
-        return self.module("sse")
-
-    @property
-    def pipeline(self) -> ModuleType:
-        return self.module("pipeline")
-
-    @property
-    def accumulate(self) -> ModuleType:
-        return self.module("accumulate")
+    detok = _stage("detok")
+    reasoning = _stage("reasoning")
+    tools = _stage("tools")
+    sse = _stage("sse")
+    pipeline = _stage("pipeline")
+    accumulate = _stage("accumulate")
 
 
 C = TwinSet("c")
