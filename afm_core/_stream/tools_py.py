@@ -2,7 +2,7 @@
 
 Model text in (arbitrary boundaries), events out: ``ContentDelta`` outside
 calls and ``ToolCallDelta`` per call index.  The tracker owns the loops that
-run for every token; a wire format (``afm_core._toolfmt_*``) owns the cold
+run for every token; a wire format (``afm_core._stream.toolcalls``) owns the cold
 decisions at call boundaries (see ``afm_core._stream.toolcalls.base``).  Modes:
 
 * ``PASS``   everything is content;

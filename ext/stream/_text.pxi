@@ -1,4 +1,4 @@
-# Shared by the Cython twins (``include "_text.pxi"``); twin of ``afm_core/_text.py``.
+# Shared by the Cython twins (``include "_text.pxi"``); twin of ``afm_core/_stream/text.py``.
 
 cdef Py_ssize_t _partial(str text, str tag):
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
