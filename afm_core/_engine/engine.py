@@ -41,7 +41,7 @@ from .._errors import (
 )
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Event, Finish, Profile, StreamError, Usage
+from .._stream.events import Event, Finish, Profile, StreamFailure, Usage
 from .._stream.request import ChatRequest
 from .commands import (
     Job,
@@ -61,7 +61,7 @@ from .worker import Worker
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-TERMINAL = (Finish, StreamError)
+TERMINAL = (Finish, StreamFailure)
 WARMUP_WIDTH = 4
 """Widest decode batch the start-up warm-up runs (see ``EngineConfig.warmup``)."""
 

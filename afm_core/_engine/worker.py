@@ -27,7 +27,7 @@ from .._stream.events import (
     Finish,
     LogprobsDelta,
     Profile,
-    StreamError,
+    StreamFailure,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -178,7 +178,7 @@ class Worker:
         log.error("generation thread died: %s", "".join(traceback.format_exception(exc)))
         outputs: Outputs = {}
         for job in self.by_key.values():
-            err = StreamError(f"generation failed: {exc}", code="generation_failed")
+            err = StreamFailure(f"generation failed: {exc}", code="generation_failed")
             outputs[job.key] = Delivery((err,), True)
         self.by_key.clear()
         self.by_uid.clear()
@@ -275,7 +275,7 @@ class Worker:
             )
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
-            outputs[job.key] = Delivery((StreamError(f"could not start generation: {exc}"),), True)
+            outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
             return
         job.uid = uid = MlxUid(inserted)
         self.by_uid[uid] = job
@@ -296,7 +296,7 @@ class Worker:
             log.exception("engine step failed")
             for stale in list(self.by_key.values()):
                 self._remove(stale)
-                outputs[stale.key] = Delivery((StreamError(f"generation failed: {exc}"),), True)
+                outputs[stale.key] = Delivery((StreamFailure(f"generation failed: {exc}"),), True)
             self._reset_generator()
             return
         self.stats.steps += 1
@@ -312,7 +312,7 @@ class Worker:
             failed = next((g.error for g in job.guards if g.error is not None), None)
             if failed is not None:
                 self._remove(job)
-                events.append(StreamError(f"generation failed: {failed}"))
+                events.append(StreamFailure(f"generation failed: {failed}"))
                 outputs[job.key] = Delivery(tuple(events), True)
                 continue
             try:
@@ -321,7 +321,7 @@ class Worker:
                 log.exception("stream processing failed")
                 if job.uid is not None and job.uid in self.by_uid:
                     self._remove(job)
-                events.append(StreamError(f"stream processing failed: {exc}"))
+                events.append(StreamFailure(f"stream processing failed: {exc}"))
                 outputs[job.key] = Delivery(tuple(events), True)
         for key, events in pending.items():
             if key not in outputs and events:
@@ -381,7 +381,7 @@ class Worker:
         try:
             job.pipeline.finish(events)
         except Exception as exc:  # noqa: BLE001
-            events.append(StreamError(f"stream processing failed: {exc}"))
+            events.append(StreamFailure(f"stream processing failed: {exc}"))
             return events
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         events.append(Finish(reason))
@@ -438,7 +438,7 @@ class Worker:
     def _shutdown(self, outputs: Outputs) -> None:
         for job in list(self.by_key.values()):
             self._remove(job)
-            outputs[job.key] = Delivery((StreamError("the engine is shutting down", code="engine_closed"),), True)
+            outputs[job.key] = Delivery((StreamFailure("the engine is shutting down", code="engine_closed"),), True)
         self.gen.close()
 
 

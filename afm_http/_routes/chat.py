@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 import trio
 from quart import Response, request
 
-from afm_core import ChatRequest, ChatStream, Finish, RequestError, SSEEncoder, StreamError, Usage
+from afm_core import ChatRequest, ChatStream, Finish, RequestError, SSEEncoder, StreamFailure, Usage
 
 from .._asgi import AFMQuart, close_when_done
 from .._json import json_response
@@ -79,16 +79,16 @@ async def _sse_body(stream: ChatStream, stack: AsyncExitStack, *, include_usage:
             async for batch in stream.batches():
                 if not include_usage:
                     batch = tuple(e for e in batch if type(e) is not Usage)
-                ended = ended or any(type(e) in (Finish, StreamError) for e in batch)
+                ended = ended or any(type(e) in (Finish, StreamFailure) for e in batch)
                 if batch:
                     yield encoder.encode_many(batch)
         except Exception as exc:  # headers are sent: report in-band
             log.exception("stream %s failed", request_id)
-            yield encoder.encode(StreamError(f"stream failed: {exc}", code="internal_error"))
+            yield encoder.encode(StreamFailure(f"stream failed: {exc}", code="internal_error"))
             ended = True
         if not ended:
             # the engine closed the stream without a finish (shutdown): say so
-            yield encoder.encode(StreamError("the stream ended before it finished",
+            yield encoder.encode(StreamFailure("the stream ended before it finished",
                                              code="stream_interrupted"))
         yield encoder.done()
     finally:

@@ -366,7 +366,7 @@ async def test_strict_schema_is_enforced(random_model_dir: Path) -> None:
 
 async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monkeypatch) -> None:
     import afm_core._engine.prepare as prepare
-    from afm_core._stream.events import StreamError
+    from afm_core._stream.events import StreamFailure
     from afm_core._stream.pipeline import StreamPipeline
 
     class Faulty(StreamPipeline):  # the pipeline is a compiled class: subclass, don't patch
@@ -389,7 +389,7 @@ async def test_pipeline_fault_fails_only_that_stream(echo_model_dir: Path, monke
         async with trio.open_nursery() as n:
             n.start_soon(run, "bad", "POISON and more text after it")
             n.start_soon(run, "good", "healthy neighbour " * 20)
-        assert isinstance(results["bad"][-1], StreamError)
+        assert isinstance(results["bad"][-1], StreamFailure)
         assert "injected pipeline fault" in results["bad"][-1].message
         assert content(results["good"]) == "healthy neighbour " * 20
         assert engine.healthy
@@ -429,7 +429,7 @@ async def test_engine_recovers_after_a_failed_step(echo_model_dir: Path, monkeyp
     from mlx_lm.sample_utils import make_sampler
 
     from afm_core._engine.sampling import SamplerCache
-    from afm_core._stream.events import StreamError
+    from afm_core._stream.events import StreamFailure
 
     original = SamplerCache.get
 
@@ -441,7 +441,7 @@ async def test_engine_recovers_after_a_failed_step(echo_model_dir: Path, monkeyp
     monkeypatch.setattr(SamplerCache, "get", broken)
     async with open_engine(echo_model_dir) as engine:
         events = await collect(engine, req("doomed", temperature=1.0, seed=666, max_tokens=4))
-        assert isinstance(events[-1], StreamError)
+        assert isinstance(events[-1], StreamFailure)
         for text in ("first after", "second after"):
             c = await engine.complete(req(text, temperature=0.5))
             assert c["choices"][0]["message"]["content"] == text

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import afm_http
-from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamError
+from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamFailure
 from afm_core._mlx.blas import BlasInfo
 from afm_http._body import parse_json
 from afm_http._errors import from_exception
@@ -153,7 +153,7 @@ def test_dumps_is_compact_utf8_json_with_escaped_surrogates(obj: object) -> None
 @given(_TEXT)
 def test_dumps_matches_the_sse_encoders_bytes(text: str) -> None:
     """The same bytes as afm_core's encoder writes (its error chunk is built with its dumps)."""
-    frame = SSEEncoder("chatcmpl-1", 1, "m").encode(StreamError(text, code="internal_error"))
+    frame = SSEEncoder("chatcmpl-1", 1, "m").encode(StreamFailure(text, code="internal_error"))
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     payload = frame[len(b"data: "):-2]
     chunk = json.loads(payload)  # lossy: it joins an escaped surrogate pair into one character
