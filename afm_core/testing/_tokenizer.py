@@ -37,8 +37,10 @@ def chat_template() -> str:
     return resources.files("afm_core.testing").joinpath("chat_template.jinja").read_text("utf-8")
 
 
-def train_tokenizer(vocab_size: int = 1024) -> Any:
-    """Train and return a ``tokenizers.Tokenizer`` (ids 0.. are the added tokens)."""
+def train_byte_level_bpe(lines: list[str], vocab_size: int,
+                         special_tokens: list[str] | None = None) -> Any:
+    """A GPT-2/Qwen-style byte-level BPE ``tokenizers.Tokenizer`` trained on
+    ``lines`` (``special_tokens`` first, at ids 0..)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -47,11 +49,20 @@ def train_tokenizer(vocab_size: int = 1024) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=[t for t, _ in ADDED_TOKENS],
+        special_tokens=special_tokens or [],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def train_tokenizer(vocab_size: int = 1024) -> Any:
+    """Train and return a ``tokenizers.Tokenizer`` (ids 0.. are the added tokens)."""
+    from tokenizers import Tokenizer
+
+    tok = train_byte_level_bpe(corpus_text().splitlines(keepends=True), vocab_size,
+                               [t for t, _ in ADDED_TOKENS])
     # Mark the non-special ones as such, as Qwen's tokenizer.json does.
     data = json.loads(tok.to_str())
     special = dict(ADDED_TOKENS)

@@ -10,6 +10,8 @@ import json
 from functools import cache
 from typing import Any
 
+from afm_core.testing._tokenizer import train_byte_level_bpe
+
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. Streaming text arrives one token at a time.
 Local inference runs the model on your own machine: no network, just weights and a tokenizer.
@@ -59,19 +61,7 @@ def _add_tokens(tok: Any) -> Any:
 
 @cache
 def _byte_level_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_lines(), trainer=trainer)
-    return str(_add_tokens(tok).to_str())
+    return str(_add_tokens(train_byte_level_bpe(_lines(), vocab_size)).to_str())
 
 
 def byte_level(vocab_size: int = 700) -> Any:
