@@ -9,9 +9,9 @@ from ._mlx import blas as _blas
 
 _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 
+from ._engine.config import EngineConfig as EngineConfig
 from ._engine.engine import ChatStream as ChatStream
 from ._engine.engine import Engine as Engine
-from ._engine.engine import EngineConfig as EngineConfig
 from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
 from ._engine.runtime import RuntimeInfo as RuntimeInfo

@@ -14,6 +14,7 @@ from .._stream.pipeline import StreamPipeline
 from .._stream.request import ChatRequest
 from . import grammar as g
 from .commands import Job, JobKey
+from .config import EngineConfig
 from .grammar import ThinkMode
 from .profile import ProfileRecorder
 
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from .._stream.detok import DecoderTables
-    from .engine import EngineConfig
 
 
 def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:

@@ -1,0 +1,95 @@
+"""The engine's settings (:class:`EngineConfig`), in a module of their own so
+that request preparation and the engine read them without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["WARMUP_WIDTH", "EngineConfig"]
+
+WARMUP_WIDTH = 4
+"""Widest decode batch the start-up warm-up runs (see ``EngineConfig.warmup``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine settings; every field can be passed to :func:`open_engine`
+    (``open_engine(path, max_batch=8)``) or given as one record (``config=``).
+    Sizes are counts unless the name says otherwise."""
+
+    max_batch: int = 32
+    """Streams decoded together, one token each per engine step (mlx-lm's
+    ``completion_batch_size``); at least 1.  Further requests wait (see
+    ``max_waiting``).  Wider batches give more tokens per second in total but
+    make every step, so each stream's tokens, slower, and hold one KV cache
+    per stream in memory."""
+    max_waiting: int = 64
+    """Requests accepted beyond ``max_batch`` (being templated, or waiting for
+    a place in the batch) before a new one is refused with
+    :class:`EngineBusyError` (HTTP 503 with ``Retry-After``); 0 refuses as soon
+    as ``max_batch`` requests are in flight.  A longer queue turns overload
+    into waiting (time to first token grows) instead of refusals a client or
+    load balancer could send elsewhere."""
+    prefill_batch: int = 8
+    """Prompts prefilled together as one group (mlx-lm's
+    ``prefill_batch_size``, capped at ``max_batch``); at least 1.  A larger
+    group starts more waiting requests at once (a burst reaches its first
+    tokens sooner) but makes the steps that prefill it longer, pausing the
+    streams already decoding for that time."""
+    prefill_step: int = 2048
+    """Prompt tokens per row prefilled in one engine step (mlx-lm's
+    ``prefill_step_size``); at least 1.  A longer prompt is prefilled over
+    several steps, and the running streams decode one token between them.
+    Smaller chunks keep their tokens flowing while a long prompt arrives, at
+    the cost of more steps (and a slower first token) for that prompt."""
+    prefix_cache_bytes: int = 1 << 30
+    """Bytes of KV cache (1 GiB by default) kept from finished requests so a
+    later prompt that starts the same way (the next turn of a chat, a shared
+    system prompt) prefills only what is new (``cached_tokens`` in its usage).
+    The running batch's own caches count against the budget, and the least
+    recently used entries go first (at most 256 are kept); 0 disables the
+    cache (no lookups, nothing kept).  Memory traded for prefill time."""
+    default_max_tokens: int | None = None
+    """Tokens a request may generate when it gives no ``max_tokens``;
+    ``None`` (the default) allows the rest of the context (the model's
+    context length minus the prompt), and a value is still capped by it.  A
+    lower cap stops a stream that never ends on its own from holding a batch
+    place until the context is full."""
+    grammar: bool = True
+    """Enforce what a request makes strict (a ``json_schema`` with
+    ``strict: true``, ``tool_choice`` ``required`` or a named function, strict
+    tools under ``auto``) with llguidance token masks.  False generates such
+    requests unconstrained, best-effort, and marks them downgraded
+    (``ChatStream.grammar_downgraded``, the ``X-Grammar-Constraints`` header).
+    The mask of each constrained stream is computed on the generation thread
+    at every step it decodes."""
+    template_threads: int = 2
+    """Worker threads that render chat templates and tokenize prompts at the
+    same time (a Trio ``CapacityLimiter``).  More let a burst of requests be
+    prepared in parallel; each competes with the generation thread for the
+    CPU and the GIL."""
+    profile_sample_interval: float = 0.1
+    """Seconds between the samples (tokens, decode rate, batch width, active
+    memory) of an ``extended`` profile (``profile="extended"``, the
+    ``X-AFM-Profile`` header); samples are taken at engine steps, at most one
+    per interval.  Shorter intervals give a finer timeline and a larger
+    payload; no effect on requests without an extended profile."""
+    warmup: bool = True
+    """Before the engine reports started, run a few short requests through
+    the whole path (template, prefill, decode at batch widths 1 to
+    ``WARMUP_WIDTH``), so the first real request pays no one-time cost
+    (MLX's CPU kernel compilation, OpenBLAS's thread start, the template's
+    first render); counters and the prefix cache are reset afterwards.
+    Start-up takes that much longer (a model that cannot chat skips it with a
+    warning); False starts at once and leaves the cost to the first requests."""
+    cpu_fusion: bool = True
+    """On MLX's CPU backend, run the model's norms and rotary embeddings as
+    fused kernels and, under the reference BLAS, its linear layers with
+    transposed weights (see ``afm_core._mlx.fusion``); no effect on the GPU.
+    Faster decode steps for results equal to mlx's layers up to float
+    rounding, and a compiled trace per batch width; False runs mlx-lm's
+    layers unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
+            raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")
