@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_model", "median_seconds"]
+__all__ = ["load_model", "median_seconds", "paired_rates"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -40,3 +40,21 @@ def load_model(path: Path | None) -> tuple[Any, Any, Path]:
     path = path or make_random_model(Path(tempfile.mkdtemp()) / "tiny")
     model, tok = mlx_lm.load(str(path))
     return model, tok, path
+
+
+def paired_rates(repeats: int, base: Callable[[], tuple[float, Any]],
+                 other: Callable[[], tuple[float, Any]], what: str) -> str:
+    """Run ``base`` then ``other`` (each returning a rate and its output)
+    ``repeats`` times, alternating; both must give the same output.  Returns
+    "base-median other-median median-ratio (paired ratios ...)" as columns."""
+    pairs = []
+    for _ in range(repeats):
+        b_rate, b_out = base()
+        o_rate, o_out = other()
+        if o_out != b_out:
+            raise SystemExit(f"{what} gave different tokens")
+        pairs.append((b_rate, o_rate))
+    ratios = sorted(o / b for b, o in pairs)
+    return (f"{statistics.median(b for b, _ in pairs):>12.1f} "
+            f"{statistics.median(o for _, o in pairs):>12.1f} {statistics.median(ratios):>6.3f}   "
+            f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)})")

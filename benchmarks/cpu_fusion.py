@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from afm_core._mlx.batch import install
 from afm_core._mlx.fusion import fuse_cpu_kernels, unfuse_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_model
+from _common import load_model, paired_rates
 
 
 def _prompts(tok: Any, n: int) -> list[list[int]]:
@@ -101,6 +101,15 @@ def decode_rate(model: Any, tok: Any, c: int, max_tokens: int) -> tuple[float, l
     return c * max_tokens / dt, [out[u] for u in uids]
 
 
+def fused_decode_rate(model: Any, tok: Any, c: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """:func:`decode_rate` with the fused kernels switched on for the run."""
+    fuse_cpu_kernels(model)
+    try:
+        return decode_rate(model, tok, c, max_tokens)
+    finally:
+        unfuse_cpu_kernels(model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -122,20 +131,10 @@ def main() -> None:
 
     print(f"\n{'C':>4} {'plain tok/s':>12} {'fused tok/s':>12} {'ratio':>6}  (medians)")
     for c in [int(x) for x in args.levels.split(",")]:
-        pairs = []
-        for _ in range(args.repeats):
-            p_rate, p_tokens = decode_rate(model, tok, c, args.max_tokens)
-            fuse_cpu_kernels(model)
-            f_rate, f_tokens = decode_rate(model, tok, c, args.max_tokens)
-            unfuse_cpu_kernels(model)
-            if f_tokens != p_tokens:
-                raise SystemExit(f"C={c}: fused decoding gave different tokens")
-            pairs.append((p_rate, f_rate))
-        ratios = sorted(f / p for p, f in pairs)
-        print(f"{c:>4} {statistics.median(p for p, _ in pairs):>12.1f} "
-              f"{statistics.median(f for _, f in pairs):>12.1f} {statistics.median(ratios):>6.3f}   "
-              f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)})")
-
+        columns = paired_rates(args.repeats, partial(decode_rate, model, tok, c, args.max_tokens),
+                               partial(fused_decode_rate, model, tok, c, args.max_tokens),
+                               f"C={c}: fused decoding")
+        print(f"{c:>4} {columns}")
 
 if __name__ == "__main__":
     main()

@@ -21,10 +21,10 @@ random tiny test model (float32).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from afm_core._mlx.prefill import EngineBatchGenerator
 from afm_core.bench._workload import make_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_model
+from _common import load_model, paired_rates
 
 
 class Counting:
@@ -93,7 +93,7 @@ def main() -> None:
     model, tok, path = load_model(args.model)
     fuse_for_cpu(model)
     print(f"model: {path}  device: {mx.default_device()}\n")
-    print(f"{'C':>4} {'prompt rows mlx-lm':>19} {'engine':>8} {'mlx-lm tok/s':>13} {'engine tok/s':>13} "
+    print(f"{'C':>4} {'prompt rows mlx-lm':>19} {'engine':>8} {'mlx-lm tok/s':>12} {'engine tok/s':>12} "
           f"{'ratio':>6}  (medians)")
     for c in [int(x) for x in args.levels.split(",")]:
         jobs = make_workload(0, args.requests_per_slot * c).jobs
@@ -105,18 +105,11 @@ def main() -> None:
             counting = Counting(model)
             closed_loop(counting, prompts, max_tokens, c, engine)
             rows[engine] = counting.prompt_rows
-        pairs = []
-        for _ in range(args.repeats):
-            p_rate, p_tokens = closed_loop(model, prompts, max_tokens, c, False)
-            e_rate, e_tokens = closed_loop(model, prompts, max_tokens, c, True)
-            if e_tokens != p_tokens:
-                raise SystemExit(f"C={c}: the engine's prefill gave different tokens")
-            pairs.append((p_rate, e_rate))
-        ratios = sorted(e / p for p, e in pairs)
-        print(f"{c:>4} {rows[False]:>19} {rows[True]:>8} {statistics.median(p for p, _ in pairs):>13.1f} "
-              f"{statistics.median(e for _, e in pairs):>13.1f} {statistics.median(ratios):>6.3f}   "
-              f"(paired ratios {', '.join(f'{x:.2f}' for x in ratios)})")
-
+        columns = paired_rates(
+            args.repeats, partial(closed_loop, model, prompts, max_tokens, c, False),
+            partial(closed_loop, model, prompts, max_tokens, c, True),
+            f"C={c}: the engine's prefill")
+        print(f"{c:>4} {rows[False]:>19} {rows[True]:>8} {columns}")
 
 if __name__ == "__main__":
     main()
