@@ -353,6 +353,24 @@ class Engine:
         async with self.stream(request, request_id=request_id, profile=profile) as s:
             return await s.collect()
 
+    async def tokenize_chat(self, request: ChatRequest | dict[str, Any]) -> list[int]:
+        """The prompt token ids ``request`` would be generated from: its messages
+        (and tools) through the model's chat template, tokenized; what the
+        ``count_tokens`` routes count.  Raises :class:`RequestError` as
+        :meth:`stream` would for messages the template cannot render."""
+        req = _as_request(request)
+        if self._closed or self._tokenizer is None:
+            raise EngineClosedError("the engine is not running")
+        tokenizer, info = self._tokenizer, self._info()
+
+        def run() -> list[int]:
+            from .prepare import render_prompt
+
+            return list(tokenizer.encode(render_prompt(req, tokenizer, info),
+                                         add_special_tokens=False))
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+
     def cancel(self, request_id: RequestId) -> bool:
         """End an in-flight request with ``finish_reason: "cancelled"``; False if unknown."""
         record = self._inflight.get(request_id)

@@ -16,6 +16,7 @@ from afm_core._errors import (
     ContextLengthError,
     DuplicateRequestError,
     EngineBusyError,
+    EngineClosedError,
     RequestError,
 )
 from afm_core._mlx.blas import blas_info
@@ -83,6 +84,21 @@ async def test_complete_matches_stream(echo_model_dir: Path) -> None:
         assert c["choices"][0]["message"]["content"] == "non-streaming works"
         assert c["choices"][0]["finish_reason"] == "stop"
         assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+
+
+async def test_tokenize_chat_counts_what_the_stream_reports(echo_model_dir: Path) -> None:
+    async with open_engine(echo_model_dir) as engine:
+        body = {"messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "count these tokens"}]}
+        ids = await engine.tokenize_chat(body)
+        assert ids and all(isinstance(i, int) for i in ids)
+        async with engine.stream(body) as s:
+            assert s.prompt_tokens == len(ids)
+        assert await engine.tokenize_chat(ChatRequest.from_openai(body)) == ids
+        with pytest.raises(RequestError):
+            await engine.tokenize_chat({"messages": []})
+    with pytest.raises(EngineClosedError):
+        await engine.tokenize_chat(body)
 
 
 async def test_a_dict_request_is_validated_like_the_http_layer_s(echo_model_dir: Path) -> None:
