@@ -9,6 +9,7 @@ from ._mlx import blas as _blas
 
 _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 
+from ._engine.commands import PromptLogprobs as PromptLogprobs
 from ._engine.config import EngineConfig as EngineConfig
 from ._engine.engine import ChatStream as ChatStream
 from ._engine.engine import Engine as Engine
@@ -48,6 +49,7 @@ from ._stream.events import TopLogprob as TopLogprob
 from ._stream.events import Usage as Usage
 from ._stream.reasoning import ReasoningSplitter as ReasoningSplitter
 from ._stream.request import ChatRequest as ChatRequest
+from ._stream.request import CompletionRequest as CompletionRequest
 from ._stream.sse import SSEEncoder as SSEEncoder
 from ._stream.structured import StructuredOutput as StructuredOutput
 from ._stream.structured import StructuredResult as StructuredResult
@@ -67,6 +69,7 @@ __all__ = [
     "ChatRequest",
     "ChatStream",
     "ChunkAccumulator",
+    "CompletionRequest",
     "ContentDelta",
     "ContextLengthError",
     "DecoderTables",
@@ -83,6 +86,7 @@ __all__ = [
     "LogprobsDelta",
     "ModelLoadError",
     "Profile",
+    "PromptLogprobs",
     "ReasoningDelta",
     "ReasoningSplitter",
     "RequestError",

@@ -45,15 +45,16 @@ from typing import TYPE_CHECKING, NamedTuple, NewType, TypeAlias
 
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Event
+from .._stream.events import Event, TopLogprob
 from .._stream.pipeline import StreamPipeline
-from .._stream.request import ChatRequest
+from .._stream.request import ChatRequest, CompletionRequest
 from .mailbox import Mailbox
 from .profile import ProfileRecorder
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from .._mlx.prefill import PromptScores
     from .grammar import GrammarProcessor
     from .sampling import GuardedProcessor
     from .worker import Worker
@@ -67,6 +68,7 @@ __all__ = [
     "JobKey",
     "MlxUid",
     "Outputs",
+    "PromptLogprobs",
     "RequestId",
     "RequestRecord",
     "RequestState",
@@ -99,15 +101,21 @@ class Job:
     """
 
     key: JobKey
-    request: ChatRequest
+    request: ChatRequest | CompletionRequest
     prompt: list[int]
     """The rendered prompt's token ids."""
     max_tokens: int
-    """Tokens to generate at most (the request's ``max_tokens`` or the default budget)."""
+    """Tokens to generate at most (the request's ``max_tokens`` or the default
+    budget); 0 only for a completion, which then generates nothing."""
     pipeline: StreamPipeline
     profile: ProfileRecorder | None = None
     grammar: GrammarProcessor | None = None
     """The logits processor enforcing the output's grammar, if any."""
+    stop_at_eos: bool = True
+    """End at the model's end-of-sequence tokens (False: a completion's ``ignore_eos``)."""
+    prompt_top_logprobs: int | None = None
+    """Score the prompt's own tokens with this many alternatives per position
+    (a completion's ``prompt_logprobs``); None: do not."""
     # filled in by the generation thread
     uid: MlxUid | None = None
     """Given when the job is admitted into mlx-lm's batch."""
@@ -116,6 +124,25 @@ class Job:
     completion_tokens: int = 0
     guards: list[GuardedProcessor] = field(default_factory=list)
     """The job's logits processors, each recording (not raising) its failure."""
+    scores: PromptScores | None = None
+    """The prompt being scored during prefill, until the first token arrives."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's own tokens scored by the model (a request with ``prompt_logprobs``).
+
+    One entry per prompt token: ``tokens[i]`` is the text of ``ids[i]``
+    (decoded alone), ``logprobs[i]`` its log-probability given the tokens
+    before it (``None`` for the first token, which has no context), and
+    ``top_logprobs[i]`` the most likely tokens at that position, best first
+    (as many as asked; empty for the first token).
+    """
+
+    ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+    logprobs: tuple[float | None, ...]
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...]
 
 
 # -- commands: Trio -> generation thread ---------------------------------------
@@ -177,6 +204,8 @@ class Delivery(NamedTuple):
     events: tuple[Event, ...]
     finished: bool
     """The stream's last delivery: its mailbox closes after these events."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The scored prompt, in the delivery of the stream's first token."""
 
 
 Outputs: TypeAlias = dict[JobKey, Delivery]
@@ -257,6 +286,10 @@ class RequestRecord:
     state: RequestState = RequestState.PREPARING
     t_first: float | None = None
     """When its first events arrived from the generation thread (time to first token)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The scored prompt, once it arrived (see :attr:`Delivery.prompt_logprobs`)."""
+    group: RequestId | None = None
+    """The id that also cancels this request (see ``Engine.stream``'s ``group``)."""
 
     @property
     def on_thread(self) -> bool:

@@ -6,6 +6,12 @@
         completion = await engine.complete(request)
         engine.cancel(request_id)
         engine.statistics()
+        ids = await engine.tokenize("text"); text = await engine.detokenize(ids)
+
+``request`` is a :class:`ChatRequest` (messages through the chat template)
+or a :class:`CompletionRequest` (a raw prompt, continued as is; its events are
+the same kinds, and the prompt's own scores arrive as
+``ChatStream.prompt_logprobs`` when it asks for them).
 
 One generation thread (:mod:`afm_core._engine.worker`) owns MLX; Trio tasks submit
 jobs and receive one batch of events per engine step.  Templating and
@@ -42,11 +48,12 @@ from .._errors import (
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, StreamFailure, Usage
-from .._stream.request import ChatRequest
+from .._stream.request import ChatRequest, CompletionRequest
 from .commands import (
     Job,
     JobKey,
     Outputs,
+    PromptLogprobs,
     RequestId,
     RequestRecord,
     RequestState,
@@ -94,7 +101,8 @@ class ChatStream:
     """One request's events; iterate it, or ``batches()`` for one tuple per step."""
 
     def __init__(self, *, id: str, created: int, model: str, request_id: RequestId,
-                 mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool):
+                 mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool,
+                 record: RequestRecord | None = None):
         self.id = id
         self.created = created
         self.model = model
@@ -102,20 +110,37 @@ class ChatStream:
         self.prompt_tokens = prompt_tokens
         self.grammar_downgraded = grammar_downgraded
         self._mailbox = mailbox
+        self._record = record
+        self._ended = False
 
     @property
     def finished(self) -> bool:
         """True once every event of the stream has arrived: reading will not wait."""
         return self._mailbox.closed
 
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's own tokens scored (a :class:`CompletionRequest` with
+        ``prompt_logprobs``), set before the batch that carries the first
+        token (or the finish) is read; None until then, and for other requests."""
+        return self._record.prompt_logprobs if self._record is not None else None
+
+    async def next_batch(self) -> tuple[Event, ...] | None:
+        """The next batch :meth:`batches` would yield, or None at the end.
+        Safe to cancel: a cancelled call takes nothing from the stream."""
+        if self._ended:
+            return None
+        batch = await self._mailbox.take()
+        # Usage/Profile ride in the same batch as Finish
+        if batch is None or any(isinstance(e, TERMINAL) for e in batch):
+            self._ended = True
+        return batch
+
     async def batches(self) -> AsyncIterator[tuple[Event, ...]]:
         """Everything that arrived since the last batch (one engine step, or
         several when the reader fell behind), until the stream ends."""
-        while (batch := await self._mailbox.take()) is not None:
+        while (batch := await self.next_batch()) is not None:
             yield batch
-            if any(isinstance(e, TERMINAL) for e in batch):
-                # Usage/Profile ride in the same batch as Finish
-                return
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         async for batch in self.batches():
@@ -152,6 +177,7 @@ class Engine:
         self.config = replace(config or EngineConfig(), **overrides)
         self._model_spec = model
         self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
+        self._groups: dict[RequestId, set[RequestId]] = {}  # group id -> its other members in flight
         self._by_key: dict[JobKey, RequestRecord] = {}
         self._serial = 0  # the last JobKey given
         self._requests_total = 0
@@ -292,20 +318,24 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------
 
-    def stream(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
-               profile: str | None = None) -> AbstractAsyncContextManager[ChatStream]:
+    def stream(self, request: ChatRequest | CompletionRequest | dict[str, Any], *,
+               request_id: RequestId | None = None, profile: str | None = None,
+               group: RequestId | None = None) -> AbstractAsyncContextManager[ChatStream]:
         """Submit ``request``; raises before yielding when it cannot be served.
 
-        ``request`` is a :class:`ChatRequest` or an OpenAI-style body (a dict,
-        validated here with :meth:`ChatRequest.from_openai`, raising
-        :class:`RequestError` as the HTTP layer's requests do).  Anything else
-        raises :class:`TypeError` at the call.
+        ``request`` is a :class:`ChatRequest`, a :class:`CompletionRequest`
+        or an OpenAI-style chat body (a dict, validated here with
+        :meth:`ChatRequest.from_openai`, raising :class:`RequestError` as the
+        HTTP layer's requests do).  Anything else raises :class:`TypeError`
+        at the call.  ``group`` names another request id that cancels this
+        request too (:meth:`cancel`): the several streams one client request
+        runs (a completion with several prompts) share the client's id.
         """
-        return self._stream(_as_request(request), request_id=request_id, profile=profile)
+        return self._stream(_as_request(request), request_id=request_id, profile=profile, group=group)
 
     @asynccontextmanager
-    async def _stream(self, request: ChatRequest, *, request_id: RequestId | None,
-                      profile: str | None) -> AsyncIterator[ChatStream]:
+    async def _stream(self, request: ChatRequest | CompletionRequest, *, request_id: RequestId | None,
+                      profile: str | None, group: RequestId | None = None) -> AsyncIterator[ChatStream]:
         if self._closed or self._worker is None:
             raise EngineClosedError("the engine is not running")
         if self._worker.fatal is not None:
@@ -313,7 +343,7 @@ class Engine:
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
         request_id = request_id or f"req_{secrets.token_hex(12)}"
-        if request_id in self._inflight:
+        if request_id in self._inflight or request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if len(self._inflight) >= self.config.max_batch + self.config.max_waiting:
             raise EngineBusyError(retry_after=1.0)
@@ -322,6 +352,9 @@ class Engine:
         record = RequestRecord(request_id, JobKey(self._serial), mailbox, time.perf_counter())
         self._inflight[request_id] = record
         self._by_key[record.key] = record
+        if group is not None and group != request_id:
+            record.group = group
+            self._groups.setdefault(group, set()).add(request_id)
         try:
             job, downgraded = await trio.to_thread.run_sync(
                 self._prepare, request, record, profile, limiter=self._limiter, abandon_on_cancel=True
@@ -334,10 +367,11 @@ class Engine:
             else:
                 record.state = RequestState.SUBMITTED
                 self._worker.submit(job)
+            prefix = "cmpl" if isinstance(request, CompletionRequest) else "chatcmpl"
             yield ChatStream(
-                id=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
+                id=f"{prefix}-{secrets.token_hex(12)}", created=int(time.time()),
                 model=request.model or self.model_id, request_id=request_id, mailbox=mailbox,
-                prompt_tokens=len(job.prompt), grammar_downgraded=downgraded,
+                prompt_tokens=len(job.prompt), grammar_downgraded=downgraded, record=record,
             )
         finally:
             if record.on_thread and self._worker is not None:
@@ -345,34 +379,121 @@ class Engine:
                 self._worker.drop(record.key)
             self._inflight.pop(request_id, None)
             self._by_key.pop(record.key, None)
+            if record.group is not None:
+                members = self._groups.get(record.group)
+                if members is not None:
+                    members.discard(request_id)
+                    if not members:
+                        del self._groups[record.group]
             mailbox.close()
 
     async def complete(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
                        profile: str | None = None) -> dict[str, Any]:
-        """The non-streaming response: the same path as :meth:`stream`, accumulated."""
+        """The non-streaming response: the same path as :meth:`stream`, accumulated
+        (a ``chat.completion``; a :class:`CompletionRequest`'s events are folded
+        by :mod:`afm_core.api.completions` instead)."""
+        if isinstance(request, CompletionRequest):
+            raise TypeError("complete() builds a chat.completion; fold a CompletionRequest's stream "
+                            "with afm_core.api.completions")
         async with self.stream(request, request_id=request_id, profile=profile) as s:
             return await s.collect()
 
-    async def tokenize_chat(self, request: ChatRequest | dict[str, Any]) -> list[int]:
+    async def tokenize_chat(self, request: ChatRequest | CompletionRequest | dict[str, Any]) -> list[int]:
         """The prompt token ids ``request`` would be generated from: its messages
         (and tools) through the model's chat template, tokenized; what the
         ``count_tokens`` routes count.  Raises :class:`RequestError` as
-        :meth:`stream` would for messages the template cannot render."""
+        :meth:`stream` would for messages the template cannot render.  (A
+        :class:`CompletionRequest` gives its raw prompt's ids.)"""
         req = _as_request(request)
         if self._closed or self._tokenizer is None:
             raise EngineClosedError("the engine is not running")
         tokenizer, info = self._tokenizer, self._info()
 
         def run() -> list[int]:
-            from .prepare import render_prompt
+            from .prepare import completion_prompt, render_prompt
 
+            if isinstance(req, CompletionRequest):
+                return completion_prompt(req, tokenizer, info)
             return list(tokenizer.encode(render_prompt(req, tokenizer, info),
                                          add_special_tokens=False))
 
         return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
 
+    async def tokenize(self, text: str, *, add_special_tokens: bool = False,
+                       parse_special: bool = True) -> list[int]:
+        """``text``'s token ids, as a raw prompt is tokenized: special-token
+        spellings in ``text`` become their tokens unless ``parse_special`` is
+        False; ``add_special_tokens`` adds what the tokenizer adds around a
+        text (a BOS, for some models)."""
+        tokenizer = self._running_tokenizer()
+
+        def run() -> list[int]:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                         split_special_tokens=not parse_special))
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens spelled out; raises
+        :class:`RequestError` for an id outside the vocabulary."""
+        tokenizer = self._running_tokenizer()
+        self._check_ids(ids)
+
+        def run() -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False))
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+
+    def token_pieces(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (a special token's spelling); raises
+        :class:`RequestError` for an id outside the vocabulary.  A piece may
+        be part of a UTF-8 character (byte-level and byte-fallback tokens)."""
+        from .._stream.detok_tables import BYTE, RAW, TEXT
+
+        tokenizer = self._running_tokenizer()
+        tables = self._detok_tables
+        assert tables is not None
+        self._check_ids(ids)
+        out = []
+        for i in ids:
+            kind = tables.kinds[i] if i < len(tables.kinds) else None
+            if kind == BYTE:
+                out.append(bytes((tables.bytevals[i],)))
+            elif kind in (TEXT, RAW) and tables.mode == "byte_level":
+                raw = tables.raws[i]
+                assert raw is not None
+                out.append(raw)
+            elif kind == TEXT:
+                text = tables.texts[i]
+                assert text is not None
+                out.append(text.encode("utf-8"))
+            else:  # a special token (the tables skip them)
+                out.append(str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8"))
+        return out
+
+    def _running_tokenizer(self) -> TokenizerWrapper:
+        if self._closed or self._tokenizer is None:
+            raise EngineClosedError("the engine is not running")
+        return self._tokenizer
+
+    def _check_ids(self, ids: list[int]) -> None:
+        assert self._tokenizer is not None
+        limit = min(self._info().vocab_size, len(self._tokenizer))
+        for n, i in enumerate(ids):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < limit:
+                raise RequestError(f"token id {i!r} is not in the model's vocabulary (0-{limit - 1})",
+                                   param=f"tokens[{n}]")
+
     def cancel(self, request_id: RequestId) -> bool:
-        """End an in-flight request with ``finish_reason: "cancelled"``; False if unknown."""
+        """End an in-flight request with ``finish_reason: "cancelled"``, and
+        every request opened with ``group=request_id``; False if none was."""
+        cancelled = self._cancel_one(request_id)
+        for member in sorted(self._groups.get(request_id, ())):
+            cancelled = self._cancel_one(member) or cancelled
+        return cancelled
+
+    def _cancel_one(self, request_id: RequestId) -> bool:
         record = self._inflight.get(request_id)
         if record is None:
             return False
@@ -440,10 +561,12 @@ class Engine:
     def _dispatch(self, outputs: Outputs) -> None:
         """Runs in Trio: deliver one engine step's events."""
         now = time.perf_counter()
-        for key, (events, finished) in outputs.items():
+        for key, (events, finished, scored) in outputs.items():
             record = self._by_key.get(key)
             if record is None:
                 continue
+            if scored is not None:
+                record.prompt_logprobs = scored  # before the reader can see the batch
             if record.t_first is None:
                 record.t_first = now
                 self._ttft_sum += now - record.t_submit
@@ -453,7 +576,8 @@ class Engine:
                 record.state = RequestState.FINISHED
                 record.mailbox.close()  # the reader drains what is there, then sees the end
 
-    def _prepare(self, request: ChatRequest, record: RequestRecord, profile: str | None) -> tuple[Job, bool]:
+    def _prepare(self, request: ChatRequest | CompletionRequest, record: RequestRecord,
+                 profile: str | None) -> tuple[Job, bool]:
         """Template, tokenize and build the job (runs in a worker thread)."""
         from .prepare import build_job
 
@@ -464,14 +588,15 @@ class Engine:
         )
 
 
-def _as_request(request: object) -> ChatRequest:
-    """``request`` as a :class:`ChatRequest`: an OpenAI-style dict is validated
+def _as_request(request: object) -> ChatRequest | CompletionRequest:
+    """``request`` as an engine request: an OpenAI-style chat dict is validated
     (:class:`RequestError` when it is not a valid body)."""
-    if isinstance(request, ChatRequest):
+    if isinstance(request, ChatRequest | CompletionRequest):
         return request
     if isinstance(request, dict):
         return ChatRequest.from_openai(request)
-    raise TypeError(f"request must be a ChatRequest or an OpenAI-style dict, not {type(request).__name__}")
+    raise TypeError("request must be a ChatRequest or an OpenAI-style dict (or a CompletionRequest), "
+                    f"not {type(request).__name__}")
 
 
 @asynccontextmanager

@@ -1,17 +1,22 @@
 """Turn a validated request into a generation job (runs in a Trio worker thread).
 
 Chat templating, tokenization, context-length checks and the construction of
-the stream's pipeline stages happen here, off the generation thread.
+the stream's pipeline stages happen here, off the generation thread.  A
+:class:`CompletionRequest` skips the template: its raw prompt (text, or token
+ids checked against the vocabulary; with a ``suffix``, the model's
+fill-in-the-middle layout) is generated from directly, through the
+detokenizer and stop strings only (no reasoning, tool or structured stages).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ContextLengthError, RequestError
+from .._errors import ContextLengthError, RequestError, UnsupportedError
 from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
-from .._stream.request import ChatRequest
+from .._stream.request import ChatRequest, CompletionRequest
 from . import grammar as g
 from .commands import Job, JobKey
 from .config import EngineConfig
@@ -133,31 +138,50 @@ def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelI
     return grammar, downgraded or failed
 
 
-def build_job(request: ChatRequest, *, key: JobKey, info: ModelInfo, tokenizer: TokenizerWrapper,
-              tables: DecoderTables, config: EngineConfig, profile: str | None,
-              t_submit: float) -> tuple[Job, bool]:
+def _budget(prompt: list[int], requested: int | None, info: ModelInfo, config: EngineConfig,
+            what: str) -> int:
+    """The tokens ``prompt`` may generate: ``requested`` if the context has room."""
+    ctx = info.context_length
+    param = "messages" if what == "messages" else "prompt"
+    if len(prompt) >= ctx:
+        raise ContextLengthError(
+            f"this model's maximum context length is {ctx} tokens, but the {what} use "
+            f"{len(prompt)} tokens", param=param)
+    room = ctx - len(prompt)
+    if requested is not None:
+        if requested > room:
+            raise ContextLengthError(
+                f"this model's maximum context length is {ctx} tokens; the {what} use "
+                f"{len(prompt)} and max_tokens asks for {requested} more",
+                param="max_tokens")
+        return requested
+    return room if config.default_max_tokens is None else min(room, config.default_max_tokens)
+
+
+def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: ModelInfo,
+              tokenizer: TokenizerWrapper, tables: DecoderTables, config: EngineConfig,
+              profile: str | None, t_submit: float) -> tuple[Job, bool]:
     """``(job, grammar_downgraded)`` for ``request``; raises RequestError subclasses."""
     from .._stream.detok import IncrementalDetokenizer
 
+    recorder = None
+    if profile is not None:
+        recorder = ProfileRecorder(extended=profile == "extended", t_submit=t_submit,
+                                   sample_interval=config.profile_sample_interval)
+    if isinstance(request, CompletionRequest):
+        prompt = completion_prompt(request, tokenizer, info)
+        max_tokens = _budget(prompt, request.max_tokens, info, config, "prompt")
+        # the output continues the prompt: no first-token treatment (a sentencepiece
+        # decoder would strip the leading space of the first generated word)
+        pipeline = StreamPipeline(IncrementalDetokenizer(continuation_tables(tables)), stops=request.stop)
+        return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
+                   profile=recorder, stop_at_eos=not request.ignore_eos,
+                   prompt_top_logprobs=request.prompt_logprobs), False
     text = render_prompt(request, tokenizer, info)
     prompt = list(tokenizer.encode(text, add_special_tokens=False))
     if not prompt:
         raise RequestError("the rendered prompt is empty", param="messages")
-    ctx = info.context_length
-    if len(prompt) >= ctx:
-        raise ContextLengthError(
-            f"this model's maximum context length is {ctx} tokens, but the messages use "
-            f"{len(prompt)} tokens", param="messages")
-    room = ctx - len(prompt)
-    if request.max_tokens is not None:
-        if request.max_tokens > room:
-            raise ContextLengthError(
-                f"this model's maximum context length is {ctx} tokens; the messages use "
-                f"{len(prompt)} and max_tokens asks for {request.max_tokens} more",
-                param="max_tokens")
-        max_tokens = request.max_tokens
-    else:
-        max_tokens = room if config.default_max_tokens is None else min(room, config.default_max_tokens)
+    max_tokens = _budget(prompt, request.max_tokens, info, config, "messages")
     mode = think_mode(text, request, info)
     grammar, downgraded = _constraints(request, tokenizer, info, config, len(prompt), mode)
     pipeline = StreamPipeline(
@@ -167,10 +191,74 @@ def build_job(request: ChatRequest, *, key: JobKey, info: ModelInfo, tokenizer: 
         tools=_tool_stage(request, info),
         structured=_structured_stage(request),
     )
-    recorder = None
-    if profile is not None:
-        recorder = ProfileRecorder(extended=profile == "extended", t_submit=t_submit,
-                                   sample_interval=config.profile_sample_interval)
     job = Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens,
               pipeline=pipeline, profile=recorder, grammar=grammar)
     return job, downgraded
+
+
+# -- raw prompts ------------------------------------------------------------------
+
+FIM_TOKENS: tuple[tuple[str, str, str], ...] = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, Granite
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),  # DeepSeek
+    ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>"),  # CodeLlama
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # GLM-4.5
+)
+"""Fill-in-the-middle (prefix, suffix, middle) token spellings, as llama.cpp
+recognises them in a vocabulary (``llama-vocab.cpp``)."""
+
+
+def fim_tokens(tokenizer: Any) -> tuple[int, int, int] | None:
+    """The ids of the model's (prefix, suffix, middle) FIM tokens, or None
+    when its vocabulary has no complete set."""
+    from .._stream.detok_tables import backend_tokenizer
+
+    backend = backend_tokenizer(tokenizer)
+    for names in FIM_TOKENS:
+        ids = [backend.token_to_id(n) for n in names]
+        if all(i is not None for i in ids):
+            return ids[0], ids[1], ids[2]
+    return None
+
+
+def continuation_tables(tables: DecoderTables) -> DecoderTables:
+    """``tables`` for text that continues a prompt: no first-token variants,
+    no leading strip (both sentencepiece-only; byte-level tables are as is)."""
+    if not tables.first_texts and not tables.strip_count:
+        return tables
+    return dataclasses.replace(tables, first_texts={}, strip_count=0)
+
+
+def completion_prompt(request: CompletionRequest, tokenizer: Any, info: ModelInfo) -> list[int]:
+    """The token ids a completion generates from; raises RequestError."""
+    raw = request.prompt
+    limit = min(info.vocab_size, len(tokenizer))
+    if isinstance(raw, str):
+        ids = list(tokenizer.encode(raw, add_special_tokens=request.add_special_tokens))
+    else:
+        ids = list(raw)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < limit), None)
+        if bad is not None:
+            raise RequestError(f"token id {ids[bad]} is not in the model's vocabulary (0-{limit - 1})",
+                               param=f"prompt[{bad}]")
+    if request.suffix is not None:
+        fim = fim_tokens(tokenizer)
+        if fim is None:
+            raise UnsupportedError(f"'suffix' needs a model with fill-in-the-middle tokens; "
+                                   f"{info.id} has none", param="suffix")
+        pre, suf, mid = fim
+        if isinstance(raw, str):
+            ids = list(tokenizer.encode(raw, add_special_tokens=False))
+        lead: list[int] = []
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if request.add_special_tokens and bos is not None \
+                and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]:
+            lead = [bos]
+        suffix = list(tokenizer.encode(request.suffix, add_special_tokens=False))
+        ids = [*lead, pre, *ids, suf, *suffix, mid]
+    if not ids:
+        raise RequestError("the prompt is empty once tokenized", param="prompt")
+    return ids

@@ -21,8 +21,10 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from .._stream.request import ChatRequest
+from .._stream.request import ChatRequest, CompletionRequest
 
+Request = ChatRequest | CompletionRequest
+"""What the sampling settings are read from (both have the same fields)."""
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -33,7 +35,7 @@ class SamplerCache:
     def __init__(self) -> None:
         self._shared: dict[tuple[float, float, float, int], Sampler] = {}
 
-    def get(self, req: ChatRequest, vocab_size: int) -> Sampler:
+    def get(self, req: Request, vocab_size: int) -> Sampler:
         if req.temperature == 0.0:
             return greedy_sampler
         # top_k at or beyond the vocabulary keeps every token: no filter at all
@@ -48,7 +50,7 @@ class SamplerCache:
         return sampler
 
 
-def _seeded_sampler(req: ChatRequest, seed: int, top_k: int) -> Sampler:
+def _seeded_sampler(req: Request, seed: int, top_k: int) -> Sampler:
     key = mx.random.key(seed % (2**63))
     state = [key]
     temp, top_p, min_p = req.temperature, req.top_p, req.min_p
@@ -66,7 +68,7 @@ def _seeded_sampler(req: ChatRequest, seed: int, top_k: int) -> Sampler:
     return sampler
 
 
-def logits_processors(req: ChatRequest, vocab_size: int) -> list[Processor]:
+def logits_processors(req: Request, vocab_size: int) -> list[Processor]:
     """OpenAI penalties and logit_bias as mlx-lm logits processors."""
     bias = {t: b for t, b in req.logit_bias.items() if t < vocab_size}
     return make_logits_processors(

@@ -41,6 +41,7 @@ from .commands import (
     JobKey,
     MlxUid,
     Outputs,
+    PromptLogprobs,
     Reset,
     Stop,
     Submit,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from .._mlx.prefill import EngineBatchGenerator
+    from .._mlx.prefill import EngineBatchGenerator, PromptScores
     from .sampling import SamplerCache
 
 log = logging.getLogger("afm.engine")
@@ -106,6 +107,7 @@ class Worker:
         self.by_uid: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
         self.logprob_uids: set[int] = set()  # uids of the rows whose log-probabilities are read
         self.by_key: dict[JobKey, Job] = {}  # every job the thread holds, by the engine's key
+        self.scored: dict[JobKey, PromptLogprobs] = {}  # prompts scored this step, to deliver
         self.synced: list[Callable[[], None]] = []  # Sync callbacks due after this iteration's step
         self.thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
@@ -244,11 +246,23 @@ class Worker:
 
         from .sampling import GuardedProcessor, logits_processors
 
+        if job.max_tokens == 0 and job.prompt_top_logprobs is None:
+            # a completion asking for nothing: no prefill, no token
+            if job.profile is not None:
+                job.profile.admitted(time.perf_counter())
+            outputs[job.key] = Delivery(tuple(self._end(job, "length")), True)
+            return
         try:
             req = job.request
             prompt = job.prompt
+            scores = None
+            if job.prompt_top_logprobs is not None:
+                from .._mlx.prefill import PromptScores
+
+                # every position's logits are needed: no prefix cache, the whole prompt prefilled
+                scores = PromptScores(prompt, job.prompt_top_logprobs)
             cache, rest = None, prompt
-            if self.prefix_cache_bytes > 0:
+            if self.prefix_cache_bytes > 0 and scores is None:
                 self.stats.prefix_cache_lookups += 1
                 cache, rest = self.prefix_cache.fetch_nearest_cache(self.model_key, prompt)
                 if cache is not None and not rest:
@@ -264,15 +278,18 @@ class Worker:
             if job.grammar is not None:
                 procs.append(GuardedProcessor(job.grammar))
             job.guards = procs
-            (inserted,) = self.gen.insert(
-                [rest],
-                max_tokens=[job.max_tokens],
-                caches=[cache] if cache is not None else None,
-                all_tokens=[prompt[: job.cached_tokens]],
-                samplers=[self.samplers.get(req, _vocab_size(self.model))],
-                # mlx-lm only reads the inner lists, but annotates them as invariant List
-                logits_processors=[procs],  # type: ignore[list-item]
+            inserted = self.gen.insert_one(
+                rest,
+                # a prompt scored for no token still runs one step: it ends there
+                max_tokens=max(job.max_tokens, 1),
+                cache=cache,
+                all_tokens=prompt[: job.cached_tokens],
+                sampler=self.samplers.get(req, _vocab_size(self.model)),
+                logits_processors=procs,
+                stop_at_eos=job.stop_at_eos,
+                scores=scores,
             )
+            job.scores = scores
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
             outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
@@ -315,6 +332,12 @@ class Worker:
                 events.append(StreamFailure(f"generation failed: {failed}"))
                 outputs[job.key] = Delivery(tuple(events), True)
                 continue
+            if job.scores is not None and job.scores.error is not None:
+                self._remove(job)
+                events.append(StreamFailure(f"cannot score the prompt: {job.scores.error}",
+                                            type="invalid_request_error", code="unsupported"))
+                outputs[job.key] = Delivery(tuple(events), True)
+                continue
             try:
                 self._advance(job, r, events, outputs, now, batch_size, active)
             except Exception as exc:  # one stream's fault ends only that stream
@@ -326,11 +349,28 @@ class Worker:
         for key, events in pending.items():
             if key not in outputs and events:
                 outputs[key] = Delivery(tuple(events), False)
+        if self.scored:
+            for key, scored in self.scored.items():
+                held = outputs.get(key)
+                outputs[key] = held._replace(prompt_logprobs=scored) if held is not None \
+                    else Delivery((), False, scored)
+            self.scored.clear()
 
     def _advance(self, job: Job, r: GenerationBatch.Response, events: list[Event], outputs: Outputs, now: float,
                  batch_size: int, active: int) -> None:
         """Feed one generated token of ``job`` through its pipeline."""
         gen = self.gen
+        if job.scores is not None:  # its prefill is over: the prompt is scored
+            self.scored[job.key] = self._prompt_logprobs(job.prompt, job.scores)
+            job.scores = None
+        if job.max_tokens == 0:
+            # admitted to score its prompt only: the token it had to sample is not its own
+            if r.finish_reason is None:
+                gen.remove([r.uid])
+            self._forget(job)
+            events.extend(self._end(job, "length"))
+            outputs[job.key] = Delivery(tuple(events), True)
+            return
         job.completion_tokens += 1
         self.stats.generation_tokens += 1
         reason = r.finish_reason
@@ -376,6 +416,27 @@ class Worker:
             )
         return LogprobsDelta((TokenLogprob(text, lp, tuple(text.encode("utf-8")), tops),))
 
+    def _prompt_logprobs(self, prompt: list[int], scores: PromptScores) -> PromptLogprobs:
+        """The record of a scored prompt: each token's text and the alternatives'."""
+        ids = sorted({*prompt, *(i for row in scores.top_ids for i in row)})
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids]), strict=True))
+
+        def top(row_ids: list[int], row_vals: list[float]) -> tuple[TopLogprob, ...]:
+            return tuple(TopLogprob(texts[i], v, tuple(texts[i].encode("utf-8")))
+                         for i, v in zip(row_ids, row_vals, strict=True))
+
+        positions = len(prompt) - 1
+        tops = [top(i, v) for i, v in zip(scores.top_ids, scores.top_logprobs, strict=True)] \
+            if scores.top_ids else [()] * positions
+        if len(scores.logprobs) != positions or len(tops) != positions:
+            raise RuntimeError(f"scored {len(scores.logprobs)} of the prompt's {positions} positions")
+        return PromptLogprobs(
+            ids=tuple(prompt),
+            tokens=tuple(texts[i] for i in prompt),
+            logprobs=(None, *scores.logprobs),
+            top_logprobs=((), *tops),
+        )
+
     def _end(self, job: Job, reason: str) -> list[Event]:
         events: list[Event] = []
         try:
@@ -413,6 +474,7 @@ class Worker:
         if job.uid is not None:
             self.by_uid.pop(job.uid, None)
             self.logprob_uids.discard(job.uid)
+            self.gen.forget_scores(job.uid)
         self.by_key.pop(job.key, None)
 
     def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:

@@ -22,28 +22,108 @@ batch and the engine's decode batch (``afm_core._mlx.batch``).  Its scheduling
 own but for one change: a prompt whose prefill ends moves to the decode batch
 in the same step, not at the start of the next (see
 ``EngineBatchGenerator._start_decoding``).
+
+**Prompt scoring.**  A row registered in the generator's ``prompt_scores``
+(:class:`PromptScores`, for a completion asking for its prompt's logprobs)
+keeps the logits mlx-lm's prefill throws away: each chunk of its prompt runs
+through the model in spans of at most ``SCORE_SPAN`` positions, and each
+position's log-softmax gives the log-probability of the prompt's next token
+and the most likely alternatives.  Only those rows compute the vocabulary
+projection of every position (lazy evaluation skips it for the others, whose
+prefill is unchanged); they must be prefilled from their first token (no
+prefix cache), and the row's prefill waits for its own evaluations.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _merge_caches
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    StopSequences,
+    _merge_caches,
+)
 
 from .batch import Occupancy, install, occupancy
 
-__all__ = ["EngineBatchGenerator", "EnginePromptBatch"]
+__all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
+
+SCORE_SPAN = 256
+"""Prompt positions a scored row runs through the model at once: its
+log-softmax over the vocabulary is ``SCORE_SPAN x vocabulary`` floats."""
+
+NO_STOP_TOKENS = StopSequences()
+"""A row that stops at no token (``ignore_eos``): only ``max_tokens`` ends it."""
+
+
+@dataclass(eq=False, slots=True)
+class PromptScores:
+    """One row's prompt, scored during its prefill (see the module docstring).
+
+    After prefill ``logprobs[i]`` is log P(``tokens[i + 1]`` | ``tokens[: i + 1]``)
+    and ``top_ids[i]`` / ``top_logprobs[i]`` the ``top_k`` most likely ids at
+    that position with theirs, best first; ``error`` says why not, when the
+    model does not return the logits of every position.
+    """
+
+    tokens: Sequence[int]
+    top_k: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    error: str | None = None
+
+    def score(self, model: Any, ids: list[int], cache: list[Any], at: int) -> None:
+        """Run ``ids`` (the prompt from position ``at``) through ``model`` on
+        ``cache``, recording every position that has a next prompt token."""
+        for s in range(0, len(ids), SCORE_SPAN):
+            piece = ids[s : s + SCORE_SPAN]
+            logits = model(mx.array(piece)[None], cache=cache)
+            states = [c.state for c in cache]
+            wanted = min(len(piece), len(self.tokens) - 1 - (at + s))
+            if self.error is not None or wanted <= 0:
+                mx.eval(states)
+                continue
+            if logits.ndim != 3 or logits.shape[1] != len(piece):
+                self.error = "this model does not return the logits of every prompt position"
+                mx.eval(states)
+                continue
+            rows = logits[0, :wanted].astype(mx.float32)
+            rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+            start = at + s + 1
+            targets = mx.array(list(self.tokens[start : start + wanted]))
+            chosen = mx.take_along_axis(rows, targets[:, None], axis=-1)[:, 0]
+            outs = [chosen]
+            k = min(self.top_k, rows.shape[-1])
+            if k > 0:
+                top = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+                outs += [top, mx.take_along_axis(rows, top, axis=-1)]
+            mx.eval(outs, states)
+            self.logprobs.extend(chosen.tolist())  # type: ignore[arg-type]  # 1-D: a list of floats
+            if k > 0:
+                ids_rows: list[list[int]] = outs[1].tolist()  # type: ignore[assignment]
+                val_rows: list[list[float]] = outs[2].tolist()  # type: ignore[assignment]
+                for tid, val in zip(ids_rows, val_rows, strict=True):
+                    order = sorted(range(k), key=val.__getitem__, reverse=True)
+                    self.top_ids.append([tid[j] for j in order])
+                    self.top_logprobs.append([val[j] for j in order])
 
 
 class EnginePromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch with one cache per row (``rows``); see the
     module docstring.  mlx-lm's merged ``prompt_cache`` stays empty."""
 
-    def __init__(self, model: Any, uids: list[int], caches: list[list[Any]], **kw: Any) -> None:
+    def __init__(self, model: Any, uids: list[int], caches: list[list[Any]], *,
+                 scores: dict[int, PromptScores] | None = None, **kw: Any) -> None:
         super().__init__(model, uids, [], **kw)
         self.rows: list[list[Any]] = list(caches)
+        self.scores: dict[int, PromptScores] = {} if scores is None else scores
 
     def extract_cache(self, idx: int) -> list[Any]:
         return self.rows[idx]
@@ -67,19 +147,27 @@ class EnginePromptBatch(PromptProcessingBatch):
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
         step = self.prefill_step_size
-        todo = [(cache, ids) for cache, ids in zip(self.rows, tokens, strict=True) if ids]
-        for seen, ids in zip(self.tokens, tokens, strict=True):
+        scores = self.scores
+        todo = []
+        for uid, cache, seen, ids in zip(self.uids, self.rows, self.tokens, tokens, strict=True):
+            if ids:
+                # a scored row's cache starts empty: len(seen) is its position in the prompt
+                todo.append((cache, ids, scores.get(uid), len(seen)))
             seen += ids  # the tokens each cache holds, as mlx-lm keeps them
         start = 0
         while todo:
             states: list[Any] = []
-            for cache, ids in todo:
-                self.model(mx.array(ids[start : start + step])[None], cache=cache)
+            for cache, ids, scored, at in todo:
+                chunk = ids[start : start + step]
+                if scored is not None:
+                    scored.score(self.model, chunk, cache, at + start)
+                    continue
+                self.model(mx.array(chunk)[None], cache=cache)
                 states.extend(c.state for c in cache)
             mx.eval(states)
             mx.clear_cache()
             start += step
-            todo = [(cache, ids) for cache, ids in todo if len(ids) > start]
+            todo = [row for row in todo if len(row[1]) > start]
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         """Merge the rows into one batch cache and start decoding from each
@@ -106,16 +194,46 @@ class EnginePromptBatch(PromptProcessingBatch):
 class EngineBatchGenerator(BatchGenerator):
     """mlx-lm's ``BatchGenerator`` prefilling with :class:`EnginePromptBatch`
     and decoding with the engine's batch reading ``logprob_uids`` (see
-    :func:`afm_core._mlx.batch.install`)."""
+    :func:`afm_core._mlx.batch.install`).  ``prompt_scores`` holds the rows
+    whose prompts are scored, by uid (see :meth:`insert_one`)."""
 
     def __init__(self, model: Any, *, logprob_uids: set[int], **kw: Any) -> None:
         super().__init__(model, **kw)
         install(self, logprob_uids)
+        self.prompt_scores: dict[int, PromptScores] = {}
         self._prompt_batch = self._new_prompt_batch([], [])
 
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
-                                 fallback_sampler=self.sampler, **kw)
+                                 fallback_sampler=self.sampler, scores=self.prompt_scores, **kw)
+
+    def insert_one(self, prompt: list[int], *, max_tokens: int, cache: list[Any] | None,
+                   all_tokens: list[int], sampler: Any, logits_processors: list[Any],
+                   stop_at_eos: bool = True, scores: PromptScores | None = None) -> int:
+        """Insert one sequence (mlx-lm's ``insert``) and return its uid.
+
+        ``prompt`` is what is left to prefill after ``cache`` (holding
+        ``all_tokens``); ``stop_at_eos`` False ends the row at ``max_tokens``
+        only; ``scores`` (whose ``tokens`` are the whole prompt, ``cache``
+        then None) scores the prompt during prefill.  Its entry leaves
+        ``prompt_scores`` with :meth:`remove` or :meth:`forget_scores`.
+        """
+        (uid,) = self.insert(
+            [prompt], max_tokens=[max_tokens], caches=[cache] if cache is not None else None,
+            all_tokens=[all_tokens], samplers=[sampler], logits_processors=[logits_processors],
+            stop_sequences=None if stop_at_eos else [NO_STOP_TOKENS],
+        )
+        if scores is not None:
+            self.prompt_scores[uid] = scores
+        return int(uid)
+
+    def forget_scores(self, uid: int) -> None:
+        self.prompt_scores.pop(uid, None)
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        for uid in uids:
+            self.prompt_scores.pop(uid, None)
+        return super().remove(uids, return_prompt_caches)
 
     def occupancy(self) -> Occupancy:
         """How many sequences wait, prefill and decode (see :func:`.batch.occupancy`)."""

@@ -1,9 +1,13 @@
-"""Validated chat requests: OpenAI JSON in, a frozen ``ChatRequest`` out.
+"""Validated requests: OpenAI JSON in, a frozen ``ChatRequest`` (or ``CompletionRequest``) out.
 
 Sans-IO.  ``ChatRequest.from_openai(body)`` checks every field it accepts and
 raises :class:`RequestError` (HTTP status hint and ``param``) for anything
 malformed; unknown top-level fields are ignored like OpenAI's lenient clients
 expect, except fields we cannot honour (``n > 1``).
+
+The legacy Completions API's bodies carry one or several raw prompts:
+:func:`completion_prompts` reads them and ``CompletionRequest.from_openai``
+validates the settings for each (the engine runs one request per prompt).
 """
 
 from __future__ import annotations
@@ -387,3 +391,152 @@ class ChatRequest:
         if rf and rf["type"] == "json_schema" and rf["json_schema"]["strict"]:
             return rf["json_schema"]["schema"]
         return None
+
+
+# -- raw-prompt completions -----------------------------------------------------
+
+MAX_PROMPT_ID = 2**31 - 1
+
+Prompt = str | tuple[int, ...]
+"""One raw prompt: text, or token ids used as given."""
+
+
+def _prompt_ids(raw: list[Any], param: str) -> tuple[int, ...]:
+    if not raw:
+        raise _err("a token-id prompt must not be empty", param)
+    for i, t in enumerate(raw):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_PROMPT_ID:
+            raise _err("token ids must be non-negative integers", f"{param}[{i}]")
+    return tuple(raw)
+
+
+def _prompt_text(raw: str, param: str) -> str:
+    if not raw:
+        raise _err("the prompt must not be empty", param)
+    return _valid_text(raw, param)
+
+
+def completion_prompts(raw: Any) -> tuple[Prompt, ...]:
+    """The prompts of a completions body's ``prompt``, in order.
+
+    OpenAI's four forms: a string, a list of strings, a list of token ids (one
+    prompt), a list of token-id lists; each prompt must be non-empty.
+    """
+    shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(raw, str):
+        return (_prompt_text(raw, "prompt"),)
+    if not isinstance(raw, list) or not raw:
+        raise _err(shape, "prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        return (_prompt_ids(raw, "prompt"),)
+    out: list[Prompt] = []
+    for i, p in enumerate(raw):
+        if isinstance(p, str):
+            out.append(_prompt_text(p, f"prompt[{i}]"))
+        elif isinstance(p, list):
+            out.append(_prompt_ids(p, f"prompt[{i}]"))
+        else:
+            raise _err(shape, f"prompt[{i}]")
+    return tuple(out)
+
+
+def _legacy_logprobs(body: dict[str, Any]) -> int | None:
+    v = body.get("logprobs")
+    if v is None or v is False:
+        return None
+    if v is True:
+        raise _err(f"'logprobs' is the number of alternatives to list per token (0-{MAX_TOP_LOGPROBS}) "
+                   "in the completions API", "logprobs")
+    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """One raw-prompt completion: the prompt is continued as is, without a chat template.
+
+    ``prompt`` is text (tokenized with the tokenizer's special tokens, such as
+    a BOS, unless ``add_special_tokens`` is False) or token ids, used as given.
+    There are no reasoning, tool or structured-output stages: the output is
+    plain text, cut by ``stop`` strings.  ``logprobs``/``top_logprobs`` score
+    the generated tokens as in a chat request; ``prompt_logprobs`` (the number
+    of alternatives per position, ``None`` for none) scores the prompt's own
+    tokens too, which makes the engine prefill the whole prompt (no prefix
+    cache) and compute its logits.  ``max_tokens`` may be 0 (nothing is
+    generated; with ``prompt_logprobs`` the prompt is still scored);
+    ``None`` allows the rest of the context.  ``ignore_eos`` generates to
+    ``max_tokens`` through end-of-sequence tokens.  ``suffix`` asks for
+    fill-in-the-middle: the model must have FIM tokens.
+    """
+
+    prompt: Prompt
+    model: str | None = None
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+    add_special_tokens: bool = True
+
+    @classmethod
+    def from_openai(cls, body: Any, prompt: Prompt) -> CompletionRequest:
+        """Validate an OpenAI completions body's settings for one of its prompts
+        (see :func:`completion_prompts`).
+
+        Legacy ``logprobs: k`` scores the generated tokens with ``k``
+        alternatives each, and with ``echo: true`` the prompt's tokens too.
+        ``max_tokens`` defaults to 16, as OpenAI's.  Also accepted:
+        ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
+        ``add_special_tokens`` (vLLM's extensions).  The wire-only fields
+        (``n``, ``best_of``, ``stream``, ``stream_options``) are the
+        translation's to check (:mod:`afm_core.api.completions`).
+        """
+        if not isinstance(body, dict):
+            raise _err("the request body must be a JSON object", "body")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _err("'model' must be a string", "model")
+        suffix = body.get("suffix")
+        if suffix is not None:
+            if not isinstance(suffix, str):
+                raise _err("'suffix' must be a string", "suffix")
+            _valid_text(suffix, "suffix")
+        echo = _bool(body, "echo", False)
+        logprobs = _legacy_logprobs(body)
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise _err("'seed' must be an integer", "seed")
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise _err("'seed' is out of range", "seed")
+        top_k = _integer(body, "top_k", -1, 1_000_000, 0) or 0
+        return cls(
+            prompt=prompt,
+            model=model,
+            suffix=suffix,
+            max_tokens=_integer(body, "max_tokens", 0, MAX_INT, 16),
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0) or 0.0,
+            top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 0.0,
+            top_k=max(top_k, 0),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0) or 0.0,
+            seed=seed,
+            stop=_stop(body.get("stop")),
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0) or 0.0,
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0) or 0.0,
+            repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0) or 1.0,
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            logprobs=logprobs is not None,
+            top_logprobs=logprobs or 0,
+            prompt_logprobs=logprobs if echo else None,
+            ignore_eos=_bool(body, "ignore_eos", False),
+            add_special_tokens=_bool(body, "add_special_tokens", True),
+        )
