@@ -6,6 +6,7 @@ Examples::
     afm bench --model DIR --concurrency 1,8 --requests 16 --max-tokens 32
     afm bench --targets raw,peer --rate 5,20    # add open-loop Poisson levels
     afm bench --targets raw --url http://127.0.0.1:8080   # an already running server
+    afm bench --api messages --targets raw,ours # Anthropic /v1/messages (also completions, responses)
     afm bench --real-model                      # default model: raw, peer, ours vs llama.cpp
     afm bench --real-model --rounds 1 --batch-requests 8 --targets ours,llamacpp
 """
@@ -16,6 +17,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+from ._apis import APIS
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -85,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
            "(mlx_lm.server), ours (afm serve), llamacpp (--real-model only); default "
            + ",".join(DEFAULT_TARGETS) + " (with --real-model raw,peer,ours,llamacpp)")
+    a("--api", choices=APIS, default="chat",
+      help="the wire API the served targets are driven through: chat (/v1/chat/completions), "
+           "completions (/v1/completions: the prompt text raw, and raw mlx-lm without the chat "
+           "template), messages (Anthropic /v1/messages), responses (/v1/responses); "
+           "mlx_lm.server serves only chat and completions")
     a("--concurrency", type=_levels, default=(1, 8, 32, 64),
       help="closed-loop levels ('none' with --rate for open loop only)")
     a("--requests", type=int, default=None,
@@ -152,6 +160,10 @@ def run_real_model(args: argparse.Namespace) -> int:
     from ._real_report import format_real_table, write_real_report
 
     targets = args.targets if args.targets is not None else DEFAULT_REAL_TARGETS
+    if args.api != "chat":
+        print("afm bench --real-model drives chat completions only (llama.cpp's server is the "
+              "peer); use --api without --real-model", file=sys.stderr)
+        return 2
     bad = [t for t in targets if t not in REAL_TARGETS]
     if bad or args.url or args.rate:
         print(f"afm bench --real-model: targets are {','.join(REAL_TARGETS)} "
@@ -234,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         model=str(Path(model).resolve()),
         out_dir=str(out_dir),
         targets=args.targets,
+        api=args.api,
         concurrency=args.concurrency,
         requests=args.requests,
         rates=args.rate,

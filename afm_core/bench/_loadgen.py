@@ -1,5 +1,6 @@
-"""The load generator: streamed chat completions against an OpenAI-compatible
-URL, closed-loop (fixed concurrency) or open-loop (Poisson arrivals).
+"""The load generator: streamed requests of one wire API (chat completions by
+default; see ``_apis``) against a served URL, closed-loop (fixed concurrency)
+or open-loop (Poisson arrivals).
 
 ``SSEParser`` is a sans-IO parser (``feed(bytes) -> [data]``, ``flush()``);
 ``StreamObserver`` turns decoded chunks into timings and token counts.  The
@@ -22,11 +23,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import trio
 
+from ._apis import PATHS, read_event
+from ._apis import body as request_body
 from ._errors import ConnectError, TransportError
 from ._http import Client
 from ._results import RequestResult, RunResult
@@ -108,9 +110,11 @@ class StreamObserver:
     inter-token latencies are the gaps between consecutive such chunks.
     """
 
-    def __init__(self, result: RequestResult, t0: float, *, count_chunks: bool = False) -> None:
+    def __init__(self, result: RequestResult, t0: float, *, count_chunks: bool = False,
+                 api: str = "chat") -> None:
         self.result = result
         self.t0 = t0
+        self.api = api
         self.done = False
         self.saw_usage = False
         #: without usage, count token-bearing chunks as tokens instead of an error
@@ -134,30 +138,26 @@ class StreamObserver:
         if "afm_profile" in obj or "afm_profile_extended" in obj:
             r.profile = obj
             return
-        if "error" in obj:
-            r.error, r.detail = "stream_error", json.dumps(obj["error"])[:200]
+        reading = read_event(self.api, obj)
+        if reading.error is not None:
+            r.error, r.detail = "stream_error", reading.error
             return
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
+        if reading.output_tokens is not None:
             self.saw_usage = True
-            r.output_tokens = int(usage.get("completion_tokens") or 0)
-            pt = usage.get("prompt_tokens")
-            r.prompt_tokens = int(pt) if pt is not None else None
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            if choice.get("finish_reason"):
-                r.finish_reason = choice["finish_reason"]
-                if choice["finish_reason"] == "error":
-                    r.error = "stream_error"
-            delta = choice.get("delta") or {}
-            if _has_token(delta):
-                self.chunks += 1
-                if self._last is None:
-                    r.ttft = now - self.t0
-                else:
-                    r.itls.append(now - self._last)
-                self._last = now
+            r.output_tokens = reading.output_tokens
+        if reading.prompt_tokens is not None:
+            r.prompt_tokens = reading.prompt_tokens
+        if reading.finish_reason:
+            r.finish_reason = reading.finish_reason
+        if reading.done:
+            self.done = True
+        if reading.token:
+            self.chunks += 1
+            if self._last is None:
+                r.ttft = now - self.t0
+            else:
+                r.itls.append(now - self._last)
+            self._last = now
 
     def finish(self, now: float) -> None:
         r = self.result
@@ -171,29 +171,21 @@ class StreamObserver:
                 r.error = "no_usage"
 
 
-def _has_token(delta: dict[str, Any]) -> bool:
-    return bool(
-        delta.get("content")
-        or delta.get("reasoning_content")
-        or delta.get("reasoning")
-        or delta.get("tool_calls")
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
-    """An OpenAI-compatible endpoint; ``model`` is the request's model field
-    (None omits it, which mlx_lm.server accepts)."""
+    """A served endpoint of wire API ``api`` (``_apis.APIS``); ``model`` is the
+    request's model field (None omits it, which mlx_lm.server accepts)."""
 
     name: str
     base_url: str
     model: str | None = None
     profile: bool = False
     count_chunks: bool = False  # a server that ignores include_usage: one chunk, one token
+    api: str = "chat"
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + "/v1/chat/completions"
+        return self.base_url.rstrip("/") + PATHS[self.api]
 
     @property
     def path(self) -> str:
@@ -220,11 +212,11 @@ async def one_request(
     job = workload.job(index)
     start = time.perf_counter() if t0 is None else t0
     result = RequestResult(index=index, start=start)
-    obs = StreamObserver(result, start, count_chunks=target.count_chunks)
+    obs = StreamObserver(result, start, count_chunks=target.count_chunks, api=target.api)
     headers = [("Accept", "text/event-stream")]
     if target.profile:
         headers.append(("X-AFM-Profile", "extended"))
-    body = json.dumps(job.body(model=target.model)).encode()
+    body = json.dumps(request_body(job, target.api, model=target.model)).encode()
     try:
         with trio.move_on_after(request_timeout) as scope:
             async with client.post(target.path, body, headers) as resp:

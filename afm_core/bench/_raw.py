@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from ._apis import prompt_text
 from ._results import RequestResult, RunResult
 from ._workload import Workload
 
@@ -37,13 +38,14 @@ class RawRunner:
     """Loads ``model_dir`` on a dedicated thread and runs levels there."""
 
     def __init__(self, model_dir: str | Path, *, prefill_batch_size: int = 8,
-                 kernels: bool = False, name: str = "raw") -> None:
+                 kernels: bool = False, name: str = "raw", api: str = "chat") -> None:
         from afm_core._engine.genthread import run_on_generation_thread
 
         self.model_dir = str(model_dir)
         self.prefill_batch_size = prefill_batch_size
         self.kernels = kernels
         self.name = name
+        self.api = api  # "completions": the prompt text raw; else the chat template
         self._model: Any = None
         self._tokenizer: Any = None
         self._stream: Any = None
@@ -117,6 +119,8 @@ class RawRunner:
         job = workload.job(i)
         key = hash((workload.seed, len(workload.jobs), job.index))
         ids = self._prompts.get(key)
+        if ids is None and self.api == "completions":
+            ids = list(self._tokenizer.encode(prompt_text(job)))
         if ids is None:
             ids = list(self._tokenizer.apply_chat_template(
                 [dict(m) for m in job.messages], add_generation_prompt=True, tokenize=True))

@@ -109,7 +109,9 @@ def format_table(report: dict[str, Any]) -> str:
     head = (f"{'level':<11} {'target':<14} {'tok/s':>9} {'x raw':>6} {'req/s':>7} "
             f"{'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
             f"{'E2E p50':>8} {'ok':>5}  errors")
-    lines = [head, "-" * len(head)]
+    api = (report.get("config") or {}).get("api", "chat")
+    lines = [f"served targets driven through the {api} API"] if api != "chat" else []
+    lines += [head, "-" * len(head)]
     for entry in report["levels"]:
         by = entry["by_target"]
         vs = entry.get("vs_raw", {})

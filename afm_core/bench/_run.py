@@ -29,12 +29,16 @@ import trio
 from . import _loadgen, _servers
 from ._errors import ServerStartError
 from ._raw import RawRunner
-from ._report import OURS, RAW, RAW_KERNELS, build_report
+from ._report import OURS, PEER, RAW, RAW_KERNELS, build_report
 from ._results import RunResult
 from ._workload import Workload, make_workload, poisson_schedule
 
 ALL_TARGETS = ("raw", "raw_kernels", "peer", "ours")
 DEFAULT_TARGETS = ("raw", "peer", "ours")
+
+
+PEER_APIS = ("chat", "completions")
+"""The wire APIs mlx_lm.server serves."""
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class BenchConfig:
     model: str
     out_dir: str
     targets: tuple[str, ...] = DEFAULT_TARGETS
+    api: str = "chat"  # the wire API the served targets are driven through (_apis.APIS)
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
     requests: int | None = None  # per closed level; None -> max(32, 4 * c)
     rates: tuple[float, ...] = ()
@@ -232,6 +237,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if "ours" in names and not _servers.ours_available():
         names.remove("ours")
         skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
+    if "peer" in names and cfg.api not in PEER_APIS:
+        names.remove("peer")
+        skipped[PEER] = f"mlx_lm.server does not serve the {cfg.api} API"
     if cfg.url:
         _loadgen.require_loopback(cfg.url)
         names.append("url")
@@ -240,7 +248,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         """Start (or load) one target inside ``stack``; None if it failed."""
         if name in ("raw", "raw_kernels"):
             kernels = name == "raw_kernels"
-            runner = RawRunner(cfg.model, kernels=kernels, name=RAW_KERNELS if kernels else RAW)
+            runner = RawRunner(cfg.model, kernels=kernels, name=RAW_KERNELS if kernels else RAW,
+                               api=cfg.api)
             stack.push_async_callback(runner.aclose)
             await runner.load()
             if not kernels:
@@ -249,7 +258,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         if name == "url":
             assert cfg.url is not None
             return _Served(_loadgen.Target("url", cfg.url, model=cfg.url_model,
-                                           profile=cfg.profile), workload, cfg)
+                                           profile=cfg.profile, api=cfg.api), workload, cfg)
         port = _servers.free_port()
         if name == "peer":
             spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch,
@@ -266,7 +275,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             return None
         stack.callback(_log, f"stopped {spec.name}")
         return _Served(_loadgen.Target(spec.name, base, model=spec.model_field,
-                                       profile=cfg.profile), workload, cfg)
+                                       profile=cfg.profile, api=cfg.api), workload, cfg)
 
     async def warm(driver: _Driver) -> None:
         if warmup.n > 0:
