@@ -427,7 +427,7 @@ def completion_prompts(raw: Any) -> tuple[Prompt, ...]:
         return (_prompt_text(raw, "prompt"),)
     if not isinstance(raw, list) or not raw:
         raise _err(shape, "prompt")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+    if isinstance(raw[0], int):  # a list of token ids (one prompt)
         return (_prompt_ids(raw, "prompt"),)
     out: list[Prompt] = []
     for i, p in enumerate(raw):
