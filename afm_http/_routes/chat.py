@@ -16,15 +16,15 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import trio
 from quart import Response, request
 
 from afm_core import ChatRequest, ChatStream, Finish, RequestError, SSEEncoder, StreamFailure, Usage
 
-from .._asgi import AFMQuart, close_when_done
+from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import current_state
+from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
 
 __all__ = ["register"]
 
@@ -32,7 +32,6 @@ log = logging.getLogger("afm.http")
 
 PROFILE_MODES = {"true": "basic", "1": "basic", "basic": "basic", "extended": "extended"}
 PROFILE_OFF = ("", "false", "0", "off", "none")
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def register(app: AFMQuart) -> None:
@@ -44,9 +43,7 @@ async def chat_completions() -> Response:
     chat = ChatRequest.from_openai(await read_json())
     profile = _profile_mode(request.headers.get("X-AFM-Profile"))
     rid = request_id()
-    stack = AsyncExitStack()
-    close_when_done(stack)  # also closed if the body below never runs
-    stack.enter_context(state.inflight.hold(rid))
+    stack = held_stack(state, rid)
     stream = await stack.enter_async_context(
         state.engine.stream(chat, request_id=rid, profile=profile))
     headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
@@ -92,5 +89,4 @@ async def _sse_body(stream: ChatStream, stack: AsyncExitStack, *, include_usage:
                                              code="stream_interrupted"))
         yield encoder.done()
     finally:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
+        await aclose_shielded(stack)
