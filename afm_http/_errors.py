@@ -1,22 +1,32 @@
-"""OpenAI-style error responses for every failure before headers are sent.
+"""Error responses for every failure before headers are sent.
 
-Every error body is the envelope ``{"error": {"message", "type", "param",
-"code"}}``.  Core errors carry their own status hint (``AFMError.status``);
-werkzeug's routing errors (404, 405, 413, ...) are mapped here.
+Every error body is OpenAI's envelope ``{"error": {"message", "type",
+"param", "code"}}``, except on the Anthropic Messages paths
+(``/v1/messages``, ``/v1/messages/...``: :func:`api_for_path`), where it is
+Anthropic's ``{"type": "error", "error": {"type", "message"}, "request_id"}``
+with Anthropic's statuses (:mod:`afm_core.api.anthropic`: a full queue is
+529 ``overloaded_error``).  Core errors carry their own status hint
+(``AFMError.status``); werkzeug's routing errors (404, 405, 413, ...) are
+mapped here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from quart import Response
 from werkzeug.exceptions import HTTPException
 
-from afm_core import AFMError, EngineBusyError
+from afm_core import AFMError, DuplicateRequestError, EngineBusyError
+from afm_core.api import anthropic
 
 from ._json import json_response
+from ._request import request_id_or_none
 
-__all__ = ["envelope", "error_response", "from_exception", "from_http_exception"]
+__all__ = ["API", "api_for_path", "envelope", "error_response", "from_exception", "from_http_exception"]
+
+API = Literal["openai", "anthropic"]
+ANTHROPIC_PATH = "/v1/messages"
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -30,6 +40,13 @@ _HTTP_CODES = {
 }
 
 
+def api_for_path(path: str) -> API:
+    """Whose error envelope a request to ``path`` gets."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return "anthropic"
+    return "openai"
+
+
 def envelope(message: str, *, type: str = "invalid_request_error", param: str | None = None,
              code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -37,28 +54,37 @@ def envelope(message: str, *, type: str = "invalid_request_error", param: str | 
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
+                   headers: dict[str, str] | None = None, api: API = "openai") -> Response:
+    """An error response; ``api="anthropic"`` gives Anthropic's envelope (its
+    ``type`` follows ``status``; ``param`` and ``code`` are not part of it)."""
     headers = dict(headers or {})
     if status == 413:
         # The unread rest of the body must not be parsed as the next request.
         headers["Connection"] = "close"
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if api == "anthropic":
+        body = anthropic.error_body(message, status=status, request_id=request_id_or_none())
+        return json_response(body, status, headers)
     return json_response(envelope(message, type=type, param=param, code=code), status, headers)
 
 
-def from_exception(exc: AFMError) -> Response:
+def from_exception(exc: AFMError, *, api: API = "openai") -> Response:
     """The response for a core error raised before streaming began."""
     headers = {}
     if isinstance(exc, EngineBusyError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if api == "anthropic":
+        if isinstance(exc, DuplicateRequestError):
+            headers["x-should-retry"] = "false"  # the SDKs retry 409s: the same id would clash again
+        return error_response(anthropic.error_status(exc), exc.message, headers=headers, api=api)
     status = exc.status if 400 <= exc.status <= 599 else 500
     err = exc.to_dict()["error"]
     return error_response(status, err["message"], type=err["type"], param=err["param"],
                           code=err["code"], headers=headers)
 
 
-def from_http_exception(exc: HTTPException, *, max_body_bytes: int) -> Response:
+def from_http_exception(exc: HTTPException, *, max_body_bytes: int, api: API = "openai") -> Response:
     """404/405/413/... raised by routing or body reading."""
     status = exc.code or 500
     messages = {
@@ -68,4 +94,4 @@ def from_http_exception(exc: HTTPException, *, max_body_bytes: int) -> Response:
     }
     message = messages.get(status) or exc.description or exc.name
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return error_response(status, message, type=kind, code=_HTTP_CODES.get(status))
+    return error_response(status, message, type=kind, code=_HTTP_CODES.get(status), api=api)

@@ -1,7 +1,10 @@
 """What every route gets: request ids, the API key check, response headers
 (ids, CORS, ``nosniff``, ``Connection: close`` after an unread body), the
-status counts behind ``/metrics``, and the OpenAI error envelope for every
-failure raised before a response began.
+status counts behind ``/metrics``, and the error envelope for every failure
+raised before a response began: OpenAI's, or Anthropic's on its Messages
+paths (``_errors.api_for_path``).  There the key may also come as
+``x-api-key`` (what Anthropic's SDKs send), responses carry ``request-id``
+too, and CORS allows Anthropic's request headers.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 from afm_core import AFMError
 
 from ._asgi import AFMQuart
-from ._errors import error_response, from_exception, from_http_exception
+from ._errors import api_for_path, error_response, from_exception, from_http_exception
 from ._ids import ID_RULE, client_request_id
 from ._request import body_was_read, request_id_or_none, sent_a_body, set_request_id
 from ._state import current_state
@@ -26,6 +29,8 @@ log = logging.getLogger("afm.http")
 
 CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Request-ID, X-AFM-Profile"
 CORS_EXPOSE_HEADERS = "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, Retry-After"
+ANTHROPIC_CORS_ALLOW_HEADERS = CORS_ALLOW_HEADERS + ", X-Api-Key, Anthropic-Version, Anthropic-Beta"
+ANTHROPIC_CORS_EXPOSE_HEADERS = CORS_EXPOSE_HEADERS + ", Request-Id"
 
 
 def install(app: AFMQuart) -> None:
@@ -43,19 +48,29 @@ def _authorized(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest(supplied, api_key.encode("utf-8")) and scheme.lower() == "bearer"
 
 
+def _authorized_key(header: str | None, api_key: str) -> bool:
+    """An ``x-api-key`` header (Anthropic's SDKs) holding the key."""
+    supplied = (header or "").strip().encode("utf-8", "surrogateescape")
+    return header is not None and hmac.compare_digest(supplied, api_key.encode("utf-8"))
+
+
 async def _prepare() -> Response | None:
     rid, valid = client_request_id(request.headers.get("X-Request-ID"))
     set_request_id(rid)
     if request.method == "OPTIONS":  # CORS preflight never carries credentials
         return None
     api_key = current_state().config.api_key
+    api = api_for_path(request.path)
     if api_key is not None and request.path != "/health" \
-            and not _authorized(request.headers.get("Authorization"), api_key):
-        return error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                              type="authentication_error", code="invalid_api_key")
+            and not _authorized(request.headers.get("Authorization"), api_key) \
+            and not (api == "anthropic" and _authorized_key(request.headers.get("X-Api-Key"), api_key)):
+        how = "'x-api-key: KEY' or 'Authorization: Bearer KEY'" if api == "anthropic" \
+            else "'Authorization: Bearer KEY'"
+        return error_response(401, f"missing or invalid API key (send {how})",
+                              type="authentication_error", code="invalid_api_key", api=api)
     if not valid:
         return error_response(400, f"X-Request-ID must be {ID_RULE}", param="X-Request-ID",
-                              code="invalid_request_id")
+                              code="invalid_request_id", api=api)
     return None
 
 
@@ -65,13 +80,18 @@ async def _finish(response: Response) -> Response:
     rid = request_id_or_none() or client_request_id(None)[0]
     response.headers["X-Request-ID"] = rid
     response.headers["OpenAI-Request-ID"] = rid
+    anthropic = api_for_path(request.path) == "anthropic"
+    if anthropic:
+        response.headers["Request-Id"] = rid  # where Anthropic's SDKs read it
     response.headers["X-Content-Type-Options"] = "nosniff"
     origin = request.headers.get("Origin")
     if cors_origins and origin and ("*" in cors_origins or origin in cors_origins):
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Allow-Headers"] = CORS_ALLOW_HEADERS
+        response.headers["Access-Control-Allow-Headers"] = \
+            ANTHROPIC_CORS_ALLOW_HEADERS if anthropic else CORS_ALLOW_HEADERS
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+        response.headers["Access-Control-Expose-Headers"] = \
+            ANTHROPIC_CORS_EXPOSE_HEADERS if anthropic else CORS_EXPOSE_HEADERS
         response.headers["Access-Control-Max-Age"] = "600"
         response.headers["Vary"] = "Origin"
     if not body_was_read() and sent_a_body() and request.http_version.startswith("1"):
@@ -86,13 +106,15 @@ async def _finish(response: Response) -> Response:
 async def _afm_error(exc: AFMError) -> Response:
     if exc.status >= 500:
         log.warning("request %s: %s", request_id_or_none(), exc.message)
-    return from_exception(exc)
+    return from_exception(exc, api=api_for_path(request.path))
 
 
 async def _bug(exc: Exception) -> Response:
+    api = api_for_path(request.path)
     if isinstance(exc, HTTPException):
-        return from_http_exception(exc, max_body_bytes=current_state().config.max_body_bytes)
+        return from_http_exception(exc, max_body_bytes=current_state().config.max_body_bytes, api=api)
     if isinstance(exc, AFMError):
-        return from_exception(exc)
+        return from_exception(exc, api=api)
     log.exception("request %s: unhandled error", request_id_or_none())
-    return error_response(500, "internal server error", type="server_error", code="internal_error")
+    return error_response(500, "internal server error", type="server_error", code="internal_error",
+                          api=api)
