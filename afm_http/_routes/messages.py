@@ -1,0 +1,131 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic Messages.
+
+The translation (:mod:`afm_core.api.anthropic`) validates the body into the
+engine's request and turns the engine's events into Anthropic's stream
+events; this module holds the stream as the chat route does (in-flight
+registry, one write per engine step, ``close_when_done``) and writes
+``event: NAME`` / ``data: {...}`` frames: ``message_start`` and a ``ping``
+first, a ``ping`` whenever the engine has been silent for
+:data:`PING_SECONDS` (a long prefill), then the blocks, ``message_delta``
+and ``message_stop``.  A matched stop sequence cancels the engine request
+(the translation matches them; see its docstring).
+
+``max_tokens`` beyond what the context leaves after the prompt is served
+with the room there is (``stop_reason: "model_context_window_exceeded"``
+when it fills up), as Anthropic's recent models do; a prompt beyond the
+context is Anthropic's 400 "prompt is too long: N tokens > M maximum".
+
+Errors before the stream began use Anthropic's envelope (the middleware
+chooses it by path); after, an ``event: error`` ends the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import trio
+from quart import Response
+
+from afm_core import ChatRequest, ChatStream, ContextLengthError, Engine
+from afm_core.api import anthropic
+
+from .._asgi import AFMQuart
+from .._json import json_response
+from .._request import read_json, request_id
+from .._state import current_state
+from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
+
+__all__ = ["PING_SECONDS", "register"]
+
+log = logging.getLogger("afm.http")
+
+PING_SECONDS = 10.0
+"""A ``ping`` event goes out when no engine step arrived for this long."""
+
+
+def register(app: AFMQuart) -> None:
+    app.post("/v1/messages")(create_message)
+    app.post("/v1/messages/count_tokens")(count_message_tokens)
+
+
+async def create_message() -> Response:
+    state = current_state()
+    engine = state.engine
+    req = anthropic.parse_request(await read_json())
+    rid = request_id()
+    stack = held_stack(state, rid)
+    stream = await _open(engine, stack, req.chat, rid)
+    writer = anthropic.MessageStream(
+        model=req.model, input_tokens=stream.prompt_tokens, stop_sequences=req.stop_sequences,
+        context_length=engine.context_length, show_thinking=req.show_thinking)
+    headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
+    if not req.stream:
+        async with stack:
+            async for batch in stream.batches():
+                writer.feed_many(batch)
+                _stop_if_asked(engine, writer, rid)
+            writer.close()
+        return json_response(writer.message(), headers=headers)
+    body = _sse_body(engine, stream, stack, writer, rid)
+    return Response(body, status=200, content_type="text/event-stream",
+                    headers={**headers, **STREAM_HEADERS})
+
+
+async def count_message_tokens() -> Response:
+    chat = anthropic.parse_count_tokens(await read_json())
+    ids = await current_state().engine.tokenize_chat(chat)
+    return json_response(anthropic.count_tokens_result(len(ids)))
+
+
+async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: str) -> ChatStream:
+    """Enter ``engine.stream``; a ``max_tokens`` beyond the context's room becomes the room."""
+    try:
+        return await stack.enter_async_context(engine.stream(chat, request_id=rid))
+    except ContextLengthError as exc:
+        if exc.param == "messages":
+            tokens = len(await engine.tokenize_chat(chat))
+            raise anthropic.prompt_too_long(tokens, engine.context_length) from None
+        if exc.param != "max_tokens":
+            raise
+    return await stack.enter_async_context(
+        engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid))
+
+
+def _stop_if_asked(engine: Engine, writer: anthropic.MessageStream, rid: str) -> None:
+    if writer.stop_requested:
+        engine.cancel(rid)  # a stop sequence matched: the rest is not wanted
+
+
+async def _sse_body(engine: Engine, stream: ChatStream, stack: AsyncExitStack,
+                    writer: anthropic.MessageStream, rid: str) -> AsyncIterator[bytes]:
+    """The SSE body: one write per engine step; leaves the stream at the end."""
+    try:
+        yield writer.encode(writer.start())
+        try:
+            batches = stream.batches()
+            while True:
+                with trio.move_on_after(PING_SECONDS) as waited:
+                    batch = await anext(batches, None)
+                if waited.cancelled_caught:
+                    # the wait was cancelled inside the generator, which ended; the stream's
+                    # events are intact (taking is cancel-safe): read on with a new one
+                    batches = stream.batches()
+                    yield writer.encode([writer.ping()])
+                    continue
+                if batch is None:  # after the finish (or failure), or the engine closed
+                    break
+                events = writer.feed_many(batch)
+                _stop_if_asked(engine, writer, rid)
+                if events:
+                    yield writer.encode(events)
+            tail = writer.close()
+        except Exception as exc:  # headers are sent: report in-band
+            log.exception("stream %s failed", rid)
+            tail = writer.fail(f"stream failed: {exc}")
+        if tail:
+            yield writer.encode(tail)
+    finally:
+        await aclose_shielded(stack)
