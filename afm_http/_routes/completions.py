@@ -1,0 +1,164 @@
+"""``POST /v1/completions``: OpenAI's legacy Completions, streamed or not.
+
+The body is validated by :func:`afm_core.api.completions.parse` into one
+engine request per choice (a list of prompts, or ``n`` > 1, gives several);
+each runs as its own engine stream, all at once, under the client's request
+id (the first stream's id, the others ``<id>/<i>`` in its group), so the
+chat cancel route, ``POST /v1/chat/completions/{id}/cancel``, ends every
+choice with ``finish_reason: "cancelled"``.  The translation's writer turns
+the streams' events into ``text_completion`` chunks: one write per engine
+step, then ``data: [DONE]``; the non-streaming answer folds the same chunks.
+
+Before headers are sent every failure is an HTTP status with the OpenAI
+error envelope; after a stream began, a failure is an error chunk followed
+by ``data: [DONE]`` (and the other choices stop).  Leaving early (client
+disconnect) drops every stream at the next engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from quart import Response
+
+from afm_core import (
+    ChatStream,
+    Engine,
+    GenerationError,
+    RequestError,
+    StreamErrorChunk,
+    StreamFailure,
+)
+from afm_core.api import completions as api
+
+from .._asgi import AFMQuart, close_when_done
+from .._json import json_response
+from .._request import read_json, request_id
+from .._state import current_state
+
+__all__ = ["register"]
+
+log = logging.getLogger("afm.http")
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Batch = tuple[Any, ...] | None  # a ChatStream batch of events, None at its end
+
+
+def register(app: AFMQuart) -> None:
+    app.post("/v1/completions")(text_completions)
+
+
+async def text_completions() -> Response:
+    state = current_state()
+    engine = state.engine
+    call = api.parse(await read_json())
+    room = engine.config.max_batch + engine.config.max_waiting
+    if call.choices > room:
+        raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
+                           param="prompt")
+    rid = request_id()
+    stack = AsyncExitStack()
+    close_when_done(stack)  # also closed if the body below never runs
+    stack.enter_context(state.inflight.hold(rid))
+    streams: list[ChatStream] = []
+    try:
+        for i, req in enumerate(call.requests):
+            # choice 0 carries the client's id; the others cancel with it
+            opened = engine.stream(req, request_id=rid if i == 0 else f"{rid}/{i}",
+                                   group=None if i == 0 else rid)
+            streams.append(await stack.enter_async_context(opened))
+        echo = await _echo_texts(engine, call) if call.echo else ()
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stack.aclose()
+        raise
+    first = streams[0]
+    writer = api.CompletionWriter(call, id=first.id, created=first.created, model=first.model,
+                                  echo=echo)
+    if not call.stream:
+        async with stack:
+            chunks = [c async for step in _steps(streams, writer) for c in step]
+        try:
+            return json_response(api.collect(chunks))
+        except StreamErrorChunk as exc:
+            raise _as_error(exc) from None
+    body = _sse_body(streams, writer, stack, request_id=rid)
+    return Response(body, status=200, content_type="text/event-stream", headers=STREAM_HEADERS)
+
+
+async def _echo_texts(engine: Engine, call: api.Completion) -> list[str]:
+    """Each choice's prompt as text (token ids decoded)."""
+    texts: dict[object, str] = {}
+    out = []
+    for req in call.requests:
+        p = req.prompt
+        if p not in texts:
+            texts[p] = p if isinstance(p, str) else await engine.detokenize(list(p))
+        out.append(texts[p])
+    return out
+
+
+def _as_error(exc: StreamErrorChunk) -> Exception:
+    """A failed choice of a non-streaming response, as the error to answer with."""
+    if exc.type == "invalid_request_error":
+        return RequestError(exc.message, param=exc.param, code=exc.code)
+    return GenerationError(exc.message, code=exc.code)
+
+
+async def _next_batches(streams: Sequence[ChatStream], live: set[int]) -> list[tuple[int, Batch]]:
+    """The next batch of at least one of the ``live`` streams (of every one
+    that has one now): one waiter per stream, the first to get one ends the
+    wait (``ChatStream.next_batch`` takes nothing when cancelled)."""
+    if len(live) == 1:
+        (i,) = live
+        return [(i, await streams[i].next_batch())]
+    got: list[tuple[int, Batch]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(i: int) -> None:
+            got.append((i, await streams[i].next_batch()))
+            nursery.cancel_scope.cancel()
+
+        for i in sorted(live):
+            nursery.start_soon(wait, i)
+    return got
+
+
+async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter) -> AsyncIterator[list[dict[str, Any]]]:
+    """The chunks of each engine step, every choice's, until all ended or one failed."""
+    live = set(range(len(streams)))
+    while live and writer.error is None:
+        out: list[dict[str, Any]] = []
+        for i, batch in await _next_batches(streams, live):
+            if batch is None:  # the engine closed it without a finish (shutdown): say so
+                live.discard(i)
+                if not writer.ended(i):
+                    out += writer.feed(i, [StreamFailure("the stream ended before it finished",
+                                                         code="stream_interrupted")])
+                continue
+            out += writer.feed(i, batch, streams[i].prompt_logprobs)
+            if writer.ended(i):
+                live.discard(i)
+        if out:
+            yield out
+
+
+async def _sse_body(streams: Sequence[ChatStream], writer: api.CompletionWriter, stack: AsyncExitStack,
+                    *, request_id: str) -> AsyncIterator[bytes]:
+    """The SSE body: one write per engine step, then ``[DONE]``; leaves the streams at the end."""
+    try:
+        try:
+            async for chunks in _steps(streams, writer):
+                yield api.encode(chunks)
+        except Exception as exc:  # headers are sent: report in-band
+            log.exception("completion %s failed", request_id)
+            yield api.encode(writer.fail(StreamFailure(f"stream failed: {exc}", code="internal_error")))
+        yield api.DONE
+    finally:
+        with trio.CancelScope(shield=True):
+            await stack.aclose()

@@ -1,0 +1,101 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (llama.cpp's shapes) against a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from afm_http import ServerConfig
+from afm_http.testing import running_server
+
+TEXTS = ["Hello, wörld!", "東京 🚀 and \"quotes\" \\ back", "  leading and trailing  ", "a\nb\tc",
+         "<|im_start|>user\nhi<|im_end|>", ""]
+
+
+async def test_round_trips_equal_the_tokenizer(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        tok = engine._tokenizer
+        for text in TEXTS:
+            r = await c.post("/tokenize", json={"content": text})
+            assert r.status_code == 200, r.text
+            ids = r.json()["tokens"]
+            assert ids == tok.encode(text, add_special_tokens=False)
+            assert r.json() == {"tokens": ids}
+            assert tok.decode(ids) == text
+            r = await c.post("/detokenize", json={"tokens": ids})
+            assert r.status_code == 200 and r.json() == {"content": text}
+        # special spellings are tokens unless parse_special is false
+        special = tok.convert_tokens_to_ids("<|im_start|>")
+        ids = (await c.post("/tokenize", json={"content": "<|im_start|>"})).json()["tokens"]
+        assert ids == [special]
+        ids = (await c.post("/tokenize", json={"content": "<|im_start|>", "parse_special": False})).json()["tokens"]
+        assert special not in ids and tok.decode(ids) == "<|im_start|>"
+        added = (await c.post("/tokenize", json={"content": "hi", "add_special": True})).json()["tokens"]
+        assert added == tok.encode("hi", add_special_tokens=True)
+
+
+async def test_with_pieces(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        text = "wörld 東京 <|im_end|>"
+        r = await c.post("/tokenize", json={"content": text, "with_pieces": True})
+        assert r.status_code == 200
+        tokens = r.json()["tokens"]
+        assert [t["id"] for t in tokens] == engine._tokenizer.encode(text, add_special_tokens=False)
+        raw = b"".join(t["piece"].encode() if isinstance(t["piece"], str) else bytes(t["piece"])
+                       for t in tokens)
+        assert raw == text.encode()
+        # a piece that is part of a character is its bytes
+        assert any(isinstance(t["piece"], list) for t in tokens)
+        assert {"id": engine._tokenizer.convert_tokens_to_ids("<|im_end|>"), "piece": "<|im_end|>"} in tokens
+
+
+async def test_messages_count_what_a_chat_request_prompts(echo_model_dir: Path) -> None:
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count me"}]}
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        r = await c.post("/tokenize", json=chat)
+        assert r.status_code == 200
+        ids = r.json()["tokens"]
+        assert ids == await engine.tokenize_chat(chat)
+        usage = (await c.post("/v1/chat/completions", json=chat)).json()["usage"]
+        assert usage["prompt_tokens"] == len(ids)
+        r = await c.post("/tokenize", json={**chat, "with_pieces": True})
+        assert [t["id"] for t in r.json()["tokens"]] == ids
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", [], "body"),
+    ("/tokenize", {}, "content"),
+    ("/tokenize", {"content": "x", "messages": [{"role": "user", "content": "x"}]}, "content"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": ["a"]}, "content"),
+    ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+    ("/tokenize", {"content": "x", "add_special": 1}, "add_special"),
+    ("/tokenize", {"content": "x", "parse_special": "no"}, "parse_special"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("/detokenize", {}, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, 2.5]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [[1]]}, "tokens[0]"),
+])
+async def test_bad_input_is_400(echo_model_dir: Path, path: str, body: object, param: str) -> None:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        r = await c.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+        r = await c.post(path, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+async def test_the_api_key_applies(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir, server=ServerConfig(api_key="k")) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
+        assert (await c.post("/tokenize", json={"content": "x"})).status_code == 401
+        r = await c.post("/detokenize", json={"tokens": []}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json() == {"content": ""}
