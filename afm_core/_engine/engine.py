@@ -343,7 +343,7 @@ class Engine:
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
         request_id = request_id or f"req_{secrets.token_hex(12)}"
-        if request_id in self._inflight or request_id in self._groups:
+        if request_id in self._inflight:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if len(self._inflight) >= self.config.max_batch + self.config.max_waiting:
             raise EngineBusyError(retry_after=1.0)

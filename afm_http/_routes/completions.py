@@ -35,16 +35,15 @@ from afm_core import (
 )
 from afm_core.api import completions as api
 
-from .._asgi import AFMQuart, close_when_done
+from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import current_state
+from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
 
 __all__ = ["register"]
 
 log = logging.getLogger("afm.http")
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Batch = tuple[Any, ...] | None  # a ChatStream batch of events, None at its end
 
@@ -62,9 +61,7 @@ async def text_completions() -> Response:
         raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
                            param="prompt")
     rid = request_id()
-    stack = AsyncExitStack()
-    close_when_done(stack)  # also closed if the body below never runs
-    stack.enter_context(state.inflight.hold(rid))
+    stack = held_stack(state, rid)
     streams: list[ChatStream] = []
     try:
         for i, req in enumerate(call.requests):
@@ -74,8 +71,7 @@ async def text_completions() -> Response:
             streams.append(await stack.enter_async_context(opened))
         echo = await _echo_texts(engine, call) if call.echo else ()
     except BaseException:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
+        await aclose_shielded(stack)
         raise
     first = streams[0]
     writer = api.CompletionWriter(call, id=first.id, created=first.created, model=first.model,
@@ -160,5 +156,4 @@ async def _sse_body(streams: Sequence[ChatStream], writer: api.CompletionWriter,
             yield api.encode(writer.fail(StreamFailure(f"stream failed: {exc}", code="internal_error")))
         yield api.DONE
     finally:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
+        await aclose_shielded(stack)
