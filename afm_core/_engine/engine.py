@@ -445,7 +445,7 @@ class Engine:
 
         return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
 
-    def token_pieces(self, ids: list[int]) -> list[bytes]:
+    async def token_pieces(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (a special token's spelling); raises
         :class:`RequestError` for an id outside the vocabulary.  A piece may
         be part of a UTF-8 character (byte-level and byte-fallback tokens)."""
@@ -455,22 +455,26 @@ class Engine:
         tables = self._detok_tables
         assert tables is not None
         self._check_ids(ids)
-        out = []
-        for i in ids:
+
+        def piece(i: int) -> bytes:
             kind = tables.kinds[i] if i < len(tables.kinds) else None
             if kind == BYTE:
-                out.append(bytes((tables.bytevals[i],)))
-            elif kind in (TEXT, RAW) and tables.mode == "byte_level":
+                return bytes((tables.bytevals[i],))
+            if kind in (TEXT, RAW) and tables.mode == "byte_level":
                 raw = tables.raws[i]
                 assert raw is not None
-                out.append(raw)
-            elif kind == TEXT:
+                return raw
+            if kind == TEXT:
                 text = tables.texts[i]
                 assert text is not None
-                out.append(text.encode("utf-8"))
-            else:  # a special token (the tables skip them)
-                out.append(str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8"))
-        return out
+                return text.encode("utf-8")
+            # a special token (the tables skip them)
+            return str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8")
+
+        def run() -> list[bytes]:
+            return [piece(i) for i in ids]
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
 
     def _running_tokenizer(self) -> TokenizerWrapper:
         if self._closed or self._tokenizer is None:

@@ -78,7 +78,7 @@ async def tokenize_text() -> Response:
                                     parse_special=_flag(body, "parse_special", True))
     if not with_pieces:
         return json_response({"tokens": ids})
-    pieces = engine.token_pieces(ids)
+    pieces = await engine.token_pieces(ids)
     return json_response({"tokens": [{"id": i, "piece": _piece(p)} for i, p in zip(ids, pieces, strict=True)]})
 
 

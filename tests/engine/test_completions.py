@@ -334,13 +334,13 @@ async def test_tokenize_detokenize_and_pieces(echo_model_dir: Path) -> None:
         assert ids == tok.encode(text_in, add_special_tokens=False)
         assert await engine.detokenize(ids) == text_in == tok.decode(ids)
         assert await engine.tokenize(text_in, parse_special=False) != ids
-        assert b"".join(engine.token_pieces(ids)) == text_in.encode()
+        assert b"".join(await engine.token_pieces(ids)) == text_in.encode()
         special = tok.convert_tokens_to_ids("<|im_start|>")
-        assert special in ids and engine.token_pieces([special]) == [b"<|im_start|>"]
+        assert special in ids and await engine.token_pieces([special]) == [b"<|im_start|>"]
         with pytest.raises(RequestError) as info:
             await engine.detokenize([1, -1])
         assert info.value.param == "tokens[1]"
         with pytest.raises(RequestError):
-            engine.token_pieces([10**9])
+            await engine.token_pieces([10**9])
         # what a CompletionRequest would run from
         assert await engine.tokenize_chat(raw(text_in)) == tok.encode(text_in)
