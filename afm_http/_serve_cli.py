@@ -30,6 +30,16 @@ def _int_at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -50,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
     parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=8 << 20,
                         help="larger request bodies get 413 (default: 8 MiB)")
+    parser.add_argument("--responses-store-size", type=_int_at_least(0), default=1000,
+                        metavar="N",
+                        help="finished Responses API responses kept in memory for GET and "
+                             "previous_response_id; the oldest is evicted (0: none; default: 1000)")
+    parser.add_argument("--responses-store-ttl", type=_positive_seconds, default=3600.0,
+                        metavar="SECONDS",
+                        help="how long a stored Responses API response is kept (default: 3600)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-batch", type=_int_at_least(1), default=32,
                         help="streams decoded together (default: 32)")
@@ -96,7 +113,9 @@ async def _main(args: argparse.Namespace) -> None:
     path = await trio.to_thread.run_sync(resolve_model, args.model)
     _say(f"loading {path}")
     server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          responses_store_size=args.responses_store_size,
+                          responses_store_ttl=args.responses_store_ttl)
     stop = trio.Event()
 
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,

@@ -2,8 +2,8 @@
 
 :class:`ServerConfig` holds the HTTP-layer options (the engine has its own
 ``EngineConfig``); :class:`AppState` is the one object a route or middleware
-reaches for the engine, the options, the request ids open with the engine and
-the response counts.  :func:`current_state` finds it for the request being
+reaches for the engine, the options, the request ids open with the engine,
+the response counts and the Responses API's stored and running responses.  :func:`current_state` finds it for the request being
 handled, so handlers are plain module-level functions.
 """
 
@@ -13,9 +13,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
+import trio
 from quart import current_app
 
 from afm_core import Engine
+from afm_core.api.responses import ResponseWriter
+from afm_core.api.responses_store import DEFAULT_MAX_AGE, DEFAULT_MAX_RESPONSES, ResponseStore
 
 from ._body import MAX_DEPTH
 from ._ids import InFlight
@@ -23,7 +26,7 @@ from ._ids import InFlight
 if TYPE_CHECKING:
     from ._asgi import AFMQuart
 
-__all__ = ["AppState", "ServerConfig", "current_state"]
+__all__ = ["AppState", "LiveResponse", "ServerConfig", "current_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,22 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_json_depth: int = MAX_DEPTH
     body_timeout: float = 60.0
+    responses_store_size: int = DEFAULT_MAX_RESPONSES
+    """Finished ``store: true`` Responses kept for GET and ``previous_response_id``
+    (the oldest is evicted past it; 0 keeps none)."""
+    responses_store_ttl: float = DEFAULT_MAX_AGE
+    """Seconds a stored Response is kept (counted from when it finished)."""
+
+
+@dataclass(eq=False, slots=True)
+class LiveResponse:
+    """A Responses API response being generated (for cancel and GET by its id)."""
+
+    request_id: str
+    """The engine request id generating it (the client's ``X-Request-ID`` or a minted one)."""
+    writer: ResponseWriter
+    done: trio.Event = field(default_factory=trio.Event)
+    """Set once the writer has its final status (and the response is stored)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -47,6 +66,14 @@ class AppState:
     """Request ids this app has open with the engine (cancelled at shutdown)."""
     statuses: Counter[int] = field(default_factory=Counter)
     """Responses sent, by status code (for ``/metrics``)."""
+    responses: ResponseStore = field(init=False)
+    """Finished ``store: true`` Responses (bounded by the config's size and TTL)."""
+    responses_live: dict[str, LiveResponse] = field(default_factory=dict)
+    """Responses API responses in progress, by response id."""
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.responses_store_size,
+                                       self.config.responses_store_ttl)
 
     def drain(self) -> int:
         """Cancel every request this app has open; each stream ends "cancelled", then [DONE]."""

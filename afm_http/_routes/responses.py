@@ -1,0 +1,251 @@
+"""``/v1/responses``: OpenAI Responses, streamed or not, stored, continued, cancelled.
+
+``POST /v1/responses`` validates the body with
+:func:`afm_core.api.responses.parse` (``previous_response_id`` is looked up
+in the app's :class:`~afm_core.api.responses_store.ResponseStore`) and runs
+its chat request on the engine under the HTTP request id (the client's
+``X-Request-ID`` or a minted one), so the chat cancel route
+``POST /v1/chat/completions/{request_id}/cancel`` ends it too.  The
+translation's :class:`~afm_core.api.responses.ResponseWriter` turns the
+events into Responses events: one write per engine step (``event: TYPE`` /
+``data: {...}`` frames, no ``[DONE]``), or, without ``stream``, the final
+Response object.  When the finish arrives, a response with reasoning has its
+reasoning text re-tokenized for ``usage.output_tokens_details.
+reasoning_tokens``.
+
+While it runs, a response is registered by its id (``resp_…``):
+``POST /v1/responses/{id}/cancel`` cancels its engine request and answers
+with the Response once it ended (status ``cancelled``); ``GET`` shows it
+``in_progress`` (``store: true`` only).  Once it ended, a ``store: true``
+response is kept in the store (bounded by ``ServerConfig.
+responses_store_size`` / ``responses_store_ttl``), including one ended by a
+client disconnect (status ``cancelled``, no usage): ``GET`` and
+``/input_items`` read it, ``DELETE`` removes it, ``cancel`` returns it
+unchanged.  An unknown id is a 404 in OpenAI's envelope.
+
+Before headers are sent every failure is an HTTP status with the OpenAI
+error envelope; after the stream began, a failure is ``response.failed``.
+A non-streaming response that failed is a 500 (``generation_failed``), one
+that was cancelled is returned with status ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from quart import Response, request
+
+from afm_core import (
+    AFMError,
+    ChatStream,
+    Engine,
+    Finish,
+    GenerationError,
+    RequestError,
+    UnsupportedError,
+)
+from afm_core.api import responses as api
+
+from .._asgi import AFMQuart, close_when_done
+from .._json import json_response
+from .._request import read_json, request_id
+from .._state import AppState, LiveResponse, current_state
+
+__all__ = ["register"]
+
+log = logging.getLogger("afm.http")
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CANCEL_WAIT_SECONDS = 10.0
+"""How long ``cancel`` waits for the response to end (the engine ends it within
+one step; only a client that stopped reading its stream can hold it longer)."""
+MAX_ITEMS_PAGE = 100
+
+
+def register(app: AFMQuart) -> None:
+    app.post("/v1/responses")(responses_create)
+    app.get("/v1/responses/<response_id>")(responses_retrieve)
+    app.delete("/v1/responses/<response_id>")(responses_delete)
+    app.post("/v1/responses/<response_id>/cancel")(responses_cancel)
+    app.get("/v1/responses/<response_id>/input_items")(responses_input_items)
+
+
+async def responses_create() -> Response:
+    state = current_state()
+    call = api.parse(await read_json(), previous=state.responses.get)
+    rid = request_id()
+    stack = AsyncExitStack()
+    close_when_done(stack)  # also closed if the body below never runs
+    stack.enter_context(state.inflight.hold(rid))
+    stream = await stack.enter_async_context(state.engine.stream(call.chat, request_id=rid))
+    writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=stream.created,
+                                model=stream.model)
+    live = LiveResponse(rid, writer)
+    state.responses_live[writer.id] = live
+    stack.callback(_settle, state, live)  # runs before the engine stream is left
+    headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
+    if not call.stream:
+        async with stack:
+            try:
+                async for batch in stream.batches():
+                    await _feed(state.engine, writer, batch)
+            except Exception as exc:
+                writer.fail(f"stream failed: {exc}")  # stored as failed, answered as a 500
+                raise
+            writer.end()
+        if writer.status == "failed":
+            error = writer.error or {}
+            raise GenerationError(str(error.get("message") or "generation failed"))
+        return json_response(writer.response, headers=headers)
+    body = _sse_body(state.engine, stream, writer, stack, request_id=rid)
+    return Response(body, status=200, content_type="text/event-stream",
+                    headers={**headers, **STREAM_HEADERS})
+
+
+def _settle(state: AppState, live: LiveResponse) -> None:
+    """The response ended (or its client left): final status, store, unregister."""
+    writer = live.writer
+    writer.abort()  # nothing if it already ended
+    state.responses_live.pop(writer.id, None)
+    if writer.call.store:
+        state.responses.put(writer.stored())
+    live.done.set()
+
+
+async def _feed(engine: Engine, writer: api.ResponseWriter,
+                batch: Sequence[Any]) -> list[dict[str, Any]]:
+    """The writer's events for one batch; before the finish, the reasoning's token count."""
+    cut = next((i for i, e in enumerate(batch) if type(e) is Finish), None)
+    if cut is None:
+        return writer.feed(batch)
+    out = writer.feed(batch[:cut])
+    text = writer.reasoning_text
+    if text:
+        writer.reasoning_tokens = await _count_tokens(engine, text)
+    return out + writer.feed(batch[cut:])
+
+
+async def _count_tokens(engine: Engine, text: str) -> int | None:
+    try:
+        return len(await engine.tokenize(text, parse_special=False))
+    except AFMError:  # the engine is closing: report none rather than fail the response
+        return None
+
+
+async def _sse_body(engine: Engine, stream: ChatStream, writer: api.ResponseWriter,
+                    stack: AsyncExitStack, *, request_id: str) -> AsyncIterator[bytes]:
+    """The SSE body: created/in_progress, one write per engine step, the terminal
+    event; leaves the stream (and settles the response) at the end."""
+    try:
+        yield api.encode(writer.start())
+        try:
+            async for batch in stream.batches():
+                out = await _feed(engine, writer, batch)
+                if out:
+                    yield api.encode(out)
+        except Exception as exc:  # headers are sent: report in-band
+            log.exception("response %s (request %s) failed", writer.id, request_id)
+            yield api.encode(writer.fail(f"stream failed: {exc}"))
+        if not writer.done:
+            # the engine closed the stream without a finish (shutdown): say so
+            yield api.encode(writer.end())
+    finally:
+        with trio.CancelScope(shield=True):
+            await stack.aclose()
+
+
+def _not_found(response_id: str) -> RequestError:
+    return RequestError(f"Response with id '{response_id}' not found.", param="response_id",
+                        status=404, code="not_found")
+
+
+def _visible(state: AppState, response_id: str) -> dict[str, Any]:
+    """The Response object: a running ``store: true`` one, else a stored one; else 404."""
+    live = state.responses_live.get(response_id)
+    if live is not None and live.writer.call.store:
+        return live.writer.response
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.response
+
+
+async def responses_retrieve(response_id: str) -> Response:
+    if request.args.get("stream", "false").lower() not in ("false", "0", ""):
+        raise UnsupportedError("streaming a response again (GET with stream=true) is not supported",
+                               param="stream")
+    return json_response(_visible(current_state(), response_id))
+
+
+async def responses_delete(response_id: str) -> Response:
+    state = current_state()
+    live = state.responses_live.get(response_id)
+    if live is not None and live.writer.call.store:
+        raise RequestError(f"Response '{response_id}' is in progress: cancel it first, then delete it.",
+                           param="response_id", code="response_in_progress")
+    if not state.responses.delete(response_id):
+        raise _not_found(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def responses_cancel(response_id: str) -> Response:
+    state = current_state()
+    live = state.responses_live.get(response_id)
+    if live is None:
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return json_response(stored.response)  # it already ended: unchanged
+    state.engine.cancel(live.request_id)
+    with trio.move_on_after(CANCEL_WAIT_SECONDS):
+        await live.done.wait()
+    return json_response(live.writer.response)
+
+
+def _page_args() -> tuple[int, str, str | None]:
+    raw = request.args.get("limit", "20")
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_ITEMS_PAGE:
+        raise RequestError(f"'limit' must be an integer between 1 and {MAX_ITEMS_PAGE}",
+                           param="limit")
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError("'order' must be asc or desc", param="order")
+    return limit, order, request.args.get("after")
+
+
+async def responses_input_items(response_id: str) -> Response:
+    """The items a response was generated from (earlier responses' too), a page at a time."""
+    state = current_state()
+    limit, order, after = _page_args()
+    live = state.responses_live.get(response_id)
+    if live is not None and live.writer.call.store:
+        items = list(live.writer.call.conversation)
+    else:
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        items = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise RequestError(f"no input item with id '{after}' in this response", param="after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return json_response({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    })
