@@ -78,7 +78,7 @@ async def text_completions() -> Response:
                                   echo=echo)
     if not call.stream:
         async with stack:
-            chunks = [c async for step in _steps(streams, writer) for c in step]
+            chunks = await _gather(streams, writer)
         try:
             return json_response(api.collect(chunks))
         except StreamErrorChunk as exc:
@@ -106,6 +106,38 @@ def _as_error(exc: StreamErrorChunk) -> Exception:
     return GenerationError(exc.message, code=exc.code)
 
 
+INTERRUPTED = StreamFailure("the stream ended before it finished", code="stream_interrupted")
+"""A choice whose stream the engine closed without a finish (shutdown)."""
+
+
+def _feed(writer: api.CompletionWriter, stream: ChatStream, i: int, batch: Batch) -> list[dict[str, Any]]:
+    """Choice ``i``'s chunks for one batch of its stream (None: the stream's end)."""
+    if batch is None:
+        return [] if writer.ended(i) else writer.feed(i, [INTERRUPTED])
+    return writer.feed(i, batch, stream.prompt_logprobs)
+
+
+async def _gather(streams: Sequence[ChatStream], writer: api.CompletionWriter) -> list[dict[str, Any]]:
+    """Every chunk of every choice (the non-streaming answer): one reader per
+    stream; the first failure stops the others."""
+    chunks: list[dict[str, Any]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def read(i: int) -> None:
+            stream = streams[i]
+            while not writer.ended(i):
+                batch = await stream.next_batch()
+                chunks.extend(_feed(writer, stream, i, batch))
+                if writer.error is not None:
+                    nursery.cancel_scope.cancel()
+                if batch is None:
+                    return
+
+        for i in range(len(streams)):
+            nursery.start_soon(read, i)
+    return chunks
+
+
 async def _next_batches(streams: Sequence[ChatStream], live: set[int]) -> list[tuple[int, Batch]]:
     """The next batch of at least one of the ``live`` streams (of every one
     that has one now): one waiter per stream, the first to get one ends the
@@ -126,19 +158,14 @@ async def _next_batches(streams: Sequence[ChatStream], live: set[int]) -> list[t
 
 
 async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter) -> AsyncIterator[list[dict[str, Any]]]:
-    """The chunks of each engine step, every choice's, until all ended or one failed."""
+    """The chunks of each engine step, every choice's, until all ended or one
+    failed (the streaming answer: one write each)."""
     live = set(range(len(streams)))
     while live and writer.error is None:
         out: list[dict[str, Any]] = []
         for i, batch in await _next_batches(streams, live):
-            if batch is None:  # the engine closed it without a finish (shutdown): say so
-                live.discard(i)
-                if not writer.ended(i):
-                    out += writer.feed(i, [StreamFailure("the stream ended before it finished",
-                                                         code="stream_interrupted")])
-                continue
-            out += writer.feed(i, batch, streams[i].prompt_logprobs)
-            if writer.ended(i):
+            out += _feed(writer, streams[i], i, batch)
+            if batch is None or writer.ended(i):
                 live.discard(i)
         if out:
             yield out

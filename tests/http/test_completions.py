@@ -285,6 +285,21 @@ async def test_bad_input_is_a_400_envelope(echo_model_dir: Path) -> None:
         assert r.json()["choices"][0]["text"] == "still ok"
 
 
+async def test_a_failing_choice_stops_the_others(echo_model_dir: Path) -> None:
+    # a one-token prompt has nothing to score; the echo model cannot score a longer one
+    payload = {"prompt": [[5], CHAT_PROMPT.format("x")], "echo": True, "logprobs": 0, "max_tokens": 5000,
+               "ignore_eos": True}
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        assert_envelope(await c.post(COMPLETIONS, json=payload), code="unsupported")
+        _, chunks, raw = await sse(c, {**payload, "stream": True})
+        assert "error" in chunks[-1] and raw[-1] == "[DONE]"
+        assert not any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in chunks)
+        with trio.fail_after(10):
+            while engine.statistics().running or engine.statistics().requests_active:
+                await trio.sleep(0.01)
+        assert engine.statistics().generation_tokens < 2 * 5000
+
+
 # -- cancellation -------------------------------------------------------------------------
 
 
