@@ -23,7 +23,8 @@ both forms say the same thing.  The chunks:
   ``length`` or ``cancelled``;
 * once every choice finished, a usage chunk (``choices`` empty, ``usage``)
   when asked (``stream_options.include_usage``; always for :func:`collect`);
-* a failure ends a choice with an error chunk (``choices`` empty, ``error``).
+* a failure ends the response with an error chunk (``choices`` empty,
+  ``error``): nothing of any choice follows it.
 
 Legacy ``logprobs`` are ``{"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}`` with one entry per token: each token's text decoded alone,
@@ -290,11 +291,12 @@ class CompletionWriter:
 
     def feed(self, index: int, events: Iterable[Event],
              prompt_logprobs: ScoredPrompt | None = None) -> list[dict[str, Any]]:
-        """The chunks for choice ``index``'s next events."""
+        """The chunks for choice ``index``'s next events (none once it ended, or
+        once any choice failed: the response ends with that error chunk)."""
         state = self._choices[index]
         out: list[dict[str, Any]] = []
-        if self.ended(index):
-            return out  # nothing follows a choice's end
+        if self.ended(index) or self.error is not None:
+            return out  # nothing follows a choice's end, nor the response's failure
         if self.call.echo and not state.echoed:
             state.echoed = True
             out.append(self._echo_chunk(state, prompt_logprobs))

@@ -275,7 +275,7 @@ def test_a_failure_is_an_error_chunk_and_no_usage() -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["error"] == {
         "message": "boom", "type": "server_error", "param": None, "code": "generation_failed"}
     assert w.ended(1) and not w.ended(0) and w.error == chunks[-1]["error"]
-    chunks += w.feed(0, [Finish("stop"), Usage(1, 1)])
+    assert w.feed(0, [ContentDelta("b"), Finish("stop"), Usage(1, 1)]) == []  # the response failed
     assert not any("usage" in c for c in chunks)
     with pytest.raises(StreamErrorChunk) as info:
         api.collect(chunks)
