@@ -82,6 +82,8 @@ async def count_message_tokens() -> Response:
 
 async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: str) -> ChatStream:
     """Enter ``engine.stream``; a ``max_tokens`` beyond the context's room becomes the room."""
+    if chat.max_tokens is not None and chat.max_tokens >= engine.context_length:
+        chat = dataclasses.replace(chat, max_tokens=None)  # never fits (Claude Code asks 32000+)
     try:
         return await stack.enter_async_context(engine.stream(chat, request_id=rid))
     except ContextLengthError as exc:

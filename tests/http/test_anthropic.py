@@ -228,11 +228,12 @@ async def test_max_tokens_and_the_context_window(echo_model_dir: Path, tmp_path:
         said = "fill " * 40
         prompt = (await client.messages.count_tokens(model="m", messages=user(said))).input_tokens
         assert prompt < 160
-        async with client.messages.stream(model="m", max_tokens=64000, messages=user(said)) as stream:
-            message = await stream.get_final_message()
-        assert message.stop_reason == "model_context_window_exceeded"
-        assert prompt + message.usage.output_tokens == 160
-        assert said.startswith(message.content[0].text)
+        for max_tokens in (64000, 159):  # beyond the context; within it, beyond the room left
+            async with client.messages.stream(model="m", max_tokens=max_tokens, messages=user(said)) as stream:
+                message = await stream.get_final_message()
+            assert message.stop_reason == "model_context_window_exceeded"
+            assert prompt + message.usage.output_tokens == 160
+            assert said.startswith(message.content[0].text)
         too_long = "fill " * 200
         count = (await client.messages.count_tokens(model="m", messages=user(too_long))).input_tokens
         with pytest.raises(anthropic.BadRequestError) as info:
