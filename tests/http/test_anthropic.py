@@ -169,6 +169,51 @@ async def test_thinking_blocks(echo_model_dir: Path) -> None:
         await client.close()
 
 
+async def test_a_claude_code_shaped_request(echo_model_dir: Path) -> None:
+    """What Claude Code sends: ``?beta=true``, beta headers, ``x-api-key``, cache_control
+    marks, system blocks and a system-role entry, MCP-style tool names, 32000 tokens, thinking."""
+    cached = {"type": "ephemeral"}
+    body = {
+        "model": "claude-sonnet-4-5-20250929", "max_tokens": 32000, "stream": True, "temperature": 1,
+        "metadata": {"user_id": "user_abc_account__session_123"},
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": cached},
+                   {"type": "text", "text": "Be concise.", "cache_control": cached}],
+        "thinking": {"type": "enabled", "budget_tokens": 31999},
+        "tools": [{"name": "Bash", "description": "Run a command",
+                   "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                                    "properties": {"command": {"type": "string"}}, "required": ["command"],
+                                    "additionalProperties": False}},
+                  {"name": "mcp__ide__getDiagnostics", "description": "IDE diagnostics",
+                   "input_schema": {"type": "object", "properties": {}}, "cache_control": cached}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>context</system-reminder>"},
+                {"type": "text", "text": "list the files", "cache_control": cached}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Use Bash.", "signature": ""},
+                {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"command": "ls"}}]},
+            {"role": "system", "content": "The user switched to plan mode."},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_01", "content": "README.md", "cache_control": cached},
+                {"type": "text", "text": "thanks, now summarise"}]},
+        ],
+    }
+    headers = {"x-api-key": "s3cret", "anthropic-version": "2023-06-01", "x-app": "cli",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                 "fine-grained-tool-streaming-2025-05-14", "user-agent": "claude-cli/2.1.0"}
+    async with running_server(echo_model_dir, server=ServerConfig(api_key="s3cret")) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
+        async with c.stream("POST", MESSAGES + "?beta=true", json=body, headers=headers) as r:
+            raw = "".join([chunk async for chunk in r.aiter_text()])
+        assert r.status_code == 200, raw
+        events = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: ")]
+        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        assert text == "thanks, now summarise" and events[-1]["type"] == "message_stop"
+        r = await c.post(MESSAGES + "/count_tokens?beta=true", headers=headers,
+                         json={k: v for k, v in body.items() if k not in ("max_tokens", "stream", "temperature")})
+        assert r.status_code == 200 and r.json()["input_tokens"] == events[0]["message"]["usage"]["input_tokens"]
+
+
 async def test_count_tokens_matches_the_prompt(echo_model_dir: Path) -> None:
     async with running_server(echo_model_dir) as (url, _):
         client = client_for(url)
