@@ -321,8 +321,16 @@ async def test_bad_input_is_a_bad_request(echo_model_dir: Path, kw: dict, messag
 
 
 async def test_http_errors_use_anthropics_envelope(echo_model_dir: Path) -> None:
-    cfg = ServerConfig(api_key="s3cret", max_body_bytes=2000)
+    cfg = ServerConfig(api_key="s3cret", max_body_bytes=2000, cors_origins=("https://app.example",))
     async with running_server(echo_model_dir, server=cfg) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "x-api-key, anthropic-version, content-type"}
+        r = await c.options(MESSAGES, headers=pre)
+        allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+        assert {"x-api-key", "anthropic-version", "anthropic-beta", "content-type"} <= allowed
+        assert "request-id" in r.headers["access-control-expose-headers"].lower()
+        r = await c.options("/v1/chat/completions", headers=pre)  # chat's list is unchanged
+        assert "x-api-key" not in r.headers["access-control-allow-headers"].lower()
         with pytest.raises(anthropic.AuthenticationError) as auth:
             await client_for(url, api_key="wrong").messages.create(model="m", max_tokens=9, messages=user("x"))
         assert auth.value.body["error"]["type"] == "authentication_error"
