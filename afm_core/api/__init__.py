@@ -11,8 +11,11 @@ embedding the engine can use the same translations::
     from afm_core.api import anthropic
     request = anthropic.to_chat_request(body)        # raises RequestError
     async with engine.stream(request) as stream:
-        writer = anthropic.MessageStream(model=..., ...)
-        async for event in stream: frames = writer.feed(event)
+        writer = anthropic.MessageStream(model="afm", input_tokens=stream.prompt_tokens)
+        sse = writer.encode(writer.start())
+        async for event in stream:
+            sse += writer.encode(writer.feed(event))  # Anthropic events as SSE bytes
+        message = writer.message()                    # the non-streaming Message
 
 May import: :mod:`afm_core._stream`, :mod:`afm_core._errors`, the standard
 library.  Never mlx, trio, the engine or HTTP code (import-linter checks it).
