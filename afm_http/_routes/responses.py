@@ -21,7 +21,10 @@ response is kept in the store (bounded by ``ServerConfig.
 responses_store_size`` / ``responses_store_ttl``), including one ended by a
 client disconnect (status ``cancelled``, no usage): ``GET`` and
 ``/input_items`` read it, ``DELETE`` removes it, ``cancel`` returns it
-unchanged.  An unknown id is a 404 in OpenAI's envelope.
+unchanged.  An unknown id is a 404 in OpenAI's envelope (an unknown
+``previous_response_id`` too: ``previous_response_not_found``); a
+``previous_response_id`` that is still running is a 400
+(``previous_response_in_progress``), and so is ``DELETE`` while it runs.
 
 Before headers are sent every failure is an HTTP status with the OpenAI
 error envelope; after the stream began, a failure is ``response.failed``.
@@ -49,6 +52,7 @@ from afm_core import (
     UnsupportedError,
 )
 from afm_core.api import responses as api
+from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart, close_when_done
 from .._json import json_response
@@ -76,7 +80,7 @@ def register(app: AFMQuart) -> None:
 
 async def responses_create() -> Response:
     state = current_state()
-    call = api.parse(await read_json(), previous=state.responses.get)
+    call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
     rid = request_id()
     stack = AsyncExitStack()
     close_when_done(stack)  # also closed if the body below never runs
@@ -104,6 +108,16 @@ async def responses_create() -> Response:
     body = _sse_body(state.engine, stream, writer, stack, request_id=rid)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
+
+
+def _previous(state: AppState, response_id: str) -> StoredResponse | None:
+    """The stored response a ``previous_response_id`` names; a 400 while it still runs."""
+    live = state.responses_live.get(response_id)
+    if live is not None and live.writer.call.store:
+        raise RequestError(f"Previous response '{response_id}' is still in progress: wait for it "
+                           "to finish (or cancel it) first.", param="previous_response_id",
+                           code="previous_response_in_progress")
+    return state.responses.get(response_id)
 
 
 def _settle(state: AppState, live: LiveResponse) -> None:

@@ -371,6 +371,9 @@ async def test_cancel_by_response_id_stops_generation(echo_model_dir: Path) -> N
             assert running.status == "in_progress" and running.output
             with pytest.raises(openai.BadRequestError):  # not while it runs
                 await client.responses.delete(resp_id)
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m", input="x", previous_response_id=resp_id)
+            assert e.value.body["code"] == "previous_response_in_progress"  # type: ignore[index]
             cancelled["response"] = await client.responses.cancel(resp_id)
 
         async with trio.open_nursery() as n:
