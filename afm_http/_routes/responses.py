@@ -54,16 +54,16 @@ from afm_core import (
 from afm_core.api import responses as api
 from afm_core.api.responses_store import StoredResponse
 
-from .._asgi import AFMQuart, close_when_done
+from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import AppState, LiveResponse, current_state
+from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
 
 __all__ = ["register"]
 
 log = logging.getLogger("afm.http")
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CANCEL_WAIT_SECONDS = 10.0
 """How long ``cancel`` waits for the response to end (the engine ends it within
 one step; only a client that stopped reading its stream can hold it longer)."""
@@ -82,9 +82,7 @@ async def responses_create() -> Response:
     state = current_state()
     call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
     rid = request_id()
-    stack = AsyncExitStack()
-    close_when_done(stack)  # also closed if the body below never runs
-    stack.enter_context(state.inflight.hold(rid))
+    stack = held_stack(state, rid)  # closed when the request ends, even if no body runs
     stream = await stack.enter_async_context(state.engine.stream(call.chat, request_id=rid))
     writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=stream.created,
                                 model=stream.model)
@@ -168,8 +166,7 @@ async def _sse_body(engine: Engine, stream: ChatStream, writer: api.ResponseWrit
             # the engine closed the stream without a finish (shutdown): say so
             yield api.encode(writer.end())
     finally:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
+        await aclose_shielded(stack)
 
 
 def _not_found(response_id: str) -> RequestError:
