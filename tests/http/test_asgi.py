@@ -62,9 +62,20 @@ async def test_route_table(echo_model_dir: Path) -> None:
         rules = {(r.rule, frozenset(r.methods or ())) for r in app.url_map.iter_rules()
                  if r.endpoint != "static"}
     get, post = frozenset({"GET", "HEAD", "OPTIONS"}), frozenset({"POST", "OPTIONS"})
+    delete = frozenset({"DELETE", "OPTIONS"})
     assert rules == {
         ("/v1/chat/completions", post),
         ("/v1/chat/completions/<path:target>/cancel", post),
+        ("/v1/completions", post),
+        ("/v1/messages", post),
+        ("/v1/messages/count_tokens", post),
+        ("/v1/responses", post),
+        ("/v1/responses/<response_id>", get),
+        ("/v1/responses/<response_id>", delete),
+        ("/v1/responses/<response_id>/cancel", post),
+        ("/v1/responses/<response_id>/input_items", get),
+        ("/tokenize", post),
+        ("/detokenize", post),
         ("/v1/models", get),
         ("/v1/models/<path:model_id>", get),
         ("/health", get),
