@@ -89,7 +89,7 @@ async def _finish(response: Response) -> Response:
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Allow-Headers"] = \
             ANTHROPIC_CORS_ALLOW_HEADERS if anthropic else CORS_ALLOW_HEADERS
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         response.headers["Access-Control-Expose-Headers"] = \
             ANTHROPIC_CORS_EXPOSE_HEADERS if anthropic else CORS_EXPOSE_HEADERS
         response.headers["Access-Control-Max-Age"] = "600"

@@ -79,6 +79,9 @@ async def test_cors_off_by_default_and_exact_when_configured(echo_model_dir: Pat
                                                           "Authorization": "Bearer k"})
         assert r.headers["access-control-allow-origin"] == "http://app.example"
         assert "X-Request-ID" in r.headers["access-control-expose-headers"]
+        r = await c.options("/v1/responses/resp_1", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "DELETE"})
+        assert r.status_code == 200 and "DELETE" in r.headers["access-control-allow-methods"]
         r = await c.options(CHAT, headers=preflight)
         assert "access-control-allow-origin" not in r.headers
 
