@@ -2,7 +2,8 @@
 
 Owns: the decode batch and padding-free prefill built on mlx-lm's
 ``BatchGenerator`` / ``GenerationBatch`` private fields (:mod:`.batch`,
-:mod:`.prefill`), the prefix-cache index over mlx-lm's ``PromptTrie``
+:mod:`.prefill`, which also scores a prompt's own tokens for the rows that
+ask: ``PromptScores``), the prefix-cache index over mlx-lm's ``PromptTrie``
 (:mod:`.prefix_cache`), fused CPU kernels and matmul-friendly weights
 (:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
 (:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
