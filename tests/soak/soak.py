@@ -8,7 +8,10 @@ model.  Each request is, at random:
   moment: before the request is sent, right after its headers (often still
   queued: ``max_batch`` is small), or after a few chunks;
 * ~10% abandoned by the client mid-stream (the connection is dropped);
-* the rest run to the end, streaming or not.
+* the rest run to the end, streaming or not;
+
+each through one of the wire APIs, at random: chat completions, completions,
+Anthropic messages, responses (``tests/soak/apis.py``).
 
 Every completed echo stream's text must equal the prompt exactly; a cancelled
 one must be a prefix of it.  At the end: engine running/waiting/active are
@@ -42,6 +45,11 @@ from hypercorn.trio import serve
 
 from afm_core._engine.engine import open_engine
 from afm_http import ServerConfig, create_app, hypercorn_config
+
+if __package__ in (None, ""):  # run as a script: the checkout's root makes `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.soak.apis import APIS, PATHS, StreamReader, read_body
+from tests.soak.apis import payload as make_payload
 
 CHAT = "/v1/chat/completions"
 CONNECTION_TASK = "trio._highlevel_serve_listeners._run_handler"
@@ -117,7 +125,8 @@ class Report:
 
 
 async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, concurrency: int = 48,
-               max_batch: int = 8, seed: int = 0, max_words: int = 120) -> Report:
+               max_batch: int = 8, seed: int = 0, max_words: int = 120,
+               apis: tuple[str, ...] = APIS) -> Report:
     rng = random.Random(seed)
     rep = Report(model=model, requests=requests, concurrency=concurrency)
     echo = model == "echo"
@@ -143,18 +152,21 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
             kind = "cancel" if roll < 0.30 else "abandon" if roll < 0.40 else "complete"
             words = rng.randint(1, max_words)
             text = f"r{i} " + " ".join(rng.choice(WORDS) for _ in range(words))
-            plan.append((i, kind, text, rng.random() < 0.75, rng.random(), rng.randint(1, 12)))
+            plan.append((i, kind, text, rng.random() < 0.75, rng.random(), rng.randint(1, 12),
+                         apis[i % len(apis)]))
 
         def fail(msg: str) -> None:
             rep.failures.append(msg)
 
         async def one(client: httpx.AsyncClient, item: tuple[Any, ...]) -> None:
-            i, kind, text, streaming, moment, after_chunks = item
+            i, kind, text, streaming, moment, after_chunks, api = item
             rid = f"soak-{seed}-{i}"
-            payload: dict[str, Any] = {"messages": [{"role": "user", "content": text}],
-                                       "stream": streaming}
+            extra: dict[str, Any] = {}
             if not echo:
-                payload.update(max_tokens=rng.randint(1, 48), temperature=0.7)
+                extra = {"max_tokens": rng.randint(1, 48), "temperature": 0.7}
+            payload = await make_payload(client, api, text, streaming=streaming, extra=extra)
+            path = PATHS[api]
+            rep.outcomes[f"api_{api}"] += 1
             headers = {"X-Request-ID": rid}
             accepted = False
 
@@ -177,7 +189,7 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                         result: dict[str, Any] = {}
 
                         async def post() -> None:
-                            result["r"] = await client.post(CHAT, json=payload, headers=headers)
+                            result["r"] = await client.post(path, json=payload, headers=headers)
 
                         n.start_soon(post)
                         await trio.sleep(moment * 0.05)
@@ -185,62 +197,56 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                     r = result["r"]
                 elif kind == "abandon":
                     with trio.move_on_after(moment * 0.05):
-                        await client.post(CHAT, json=payload, headers=headers)
+                        await client.post(path, json=payload, headers=headers)
                         rep.outcomes["abandon_too_late"] += 1
                         return
                     rep.abandons += 1
                     rep.outcomes["abandoned"] += 1
                     return
                 else:
-                    r = await client.post(CHAT, json=payload, headers=headers)
+                    r = await client.post(path, json=payload, headers=headers)
                 if r.status_code != 200:
-                    fail(f"{rid}: status {r.status_code} {r.text[:200]}")
+                    fail(f"{rid}: {api} status {r.status_code} {r.text[:200]}")
                     return
-                choice = r.json()["choices"][0]
-                check(rid, text, choice["message"]["content"] or "", choice["finish_reason"], accepted)
+                got, finish = read_body(api, r.json())
+                check(rid, api, text, got, finish, accepted)
                 return
-            content: list[str] = []
-            finish = None
-            chunks = 0
-            async with client.stream("POST", CHAT, json=payload, headers=headers) as r:
+            reader = StreamReader(api)
+            async with client.stream("POST", path, json=payload, headers=headers) as r:
                 if r.status_code != 200:
                     fail(f"{rid}: status {r.status_code}")
                     return
                 if kind == "cancel" and 0.1 <= moment < 0.4:
                     await cancel()  # right after the headers: often still queued
-                lines = r.aiter_lines()
-                async for line in lines:
+                async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        fail(f"{rid}: error chunk {chunk['error']}")
+                    reader.feed(line[6:])
+                    if reader.error is not None:
+                        fail(f"{rid}: {api} error event {reader.error}")
                         return
-                    chunks += 1
-                    if chunk["choices"]:
-                        delta = chunk["choices"][0]["delta"]
-                        content.append(delta.get("content") or "")
-                        finish = chunk["choices"][0]["finish_reason"] or finish
-                    if kind == "cancel" and moment >= 0.4 and chunks == after_chunks:
+                    if reader.done:
+                        break
+                    if kind == "cancel" and moment >= 0.4 and reader.chunks == after_chunks:
                         await cancel()
-                    if kind == "abandon" and chunks == after_chunks:
+                    if kind == "abandon" and reader.chunks == after_chunks:
                         rep.abandons += 1
                         rep.outcomes["abandoned"] += 1
                         return  # leaving the block drops the connection mid-stream
                 else:
-                    fail(f"{rid}: the body ended without [DONE]")
+                    fail(f"{rid}: the {api} body ended before its end event")
                     return
             if kind == "abandon":
                 rep.outcomes["abandon_too_late"] += 1
-            check(rid, text, "".join(content), finish, accepted)
+            check(rid, api, text, reader.text, reader.finish, accepted)
 
-        def check(rid: str, text: str, got: str, finish: str | None, accepted: bool) -> None:
+        def check(rid: str, api: str, text: str, got: str, finish: str | None,
+                  accepted: bool) -> None:
             if accepted:
                 if finish not in ("cancelled", "stop", "length"):
                     fail(f"{rid}: accepted cancel but finish {finish!r}")
+                if api == "messages" and finish == "stop" and got != text:
+                    finish = "cancelled"  # Anthropic's cancelled message ends with end_turn
             if finish == "cancelled":
                 rep.outcomes["cancelled"] += 1
                 if not got:
