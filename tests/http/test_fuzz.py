@@ -15,11 +15,9 @@ The per-category counts are printed at the end (``pytest -s``) and written to
 from __future__ import annotations
 
 import json
-import math
 import re
 import socket
 import string
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,69 +25,50 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from afm_http import ServerConfig
 from afm_http.testing import running_server
+from tests.http.fuzz_helpers import (
+    CONTEXT,
+    MAX_BODY,
+    Server,
+    client_of,
+    encode,
+    fuzz_settings,
+    has_surrogate,
+    int_in,
+    is_bool,
+    json_values,
+    num_in,
+    post_bytes,
+    safe_texts,
+    serve_in_thread,
+    sse_data,
+)
+from tests.http.fuzz_helpers import (
+    assert_openai_envelope as assert_envelope,
+)
 
 CHAT = "/v1/chat/completions"
-MAX_BODY = 64 * 1024
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results" / "fuzz_http.json"
 EXAMPLES = 110  # per category; ~1.5-2k requests in all
 
 COUNTS: Counter[str] = Counter()  # "category" -> requests
 STATUSES: dict[str, Counter[int]] = {}
 
-fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+fuzz = fuzz_settings(EXAMPLES)
 
 
 # -- the server ------------------------------------------------------------------
 
 
-class Server:
-    def __init__(self, url: str, engine: Any, token: trio.lowlevel.TrioToken, stop: trio.Event,
-                 thread: threading.Thread) -> None:
-        self.url, self.engine, self.token, self.stop, self.thread = url, engine, token, stop, thread
-        self.port = int(url.rsplit(":", 1)[1])
-
-    def statistics(self) -> Any:
-        return trio.from_thread.run_sync(self.engine.statistics, trio_token=self.token)
-
-
 @pytest.fixture(scope="module")
 def server(echo_model_dir: Path) -> Iterator[Server]:
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        cfg = ServerConfig(max_body_bytes=MAX_BODY)
-        async with running_server(echo_model_dir, server=cfg, grammar=False, max_batch=8) as (url, eng):
-            box["stop"] = trio.Event()
-            box.update(url=url, engine=eng, token=trio.lowlevel.current_trio_token())
-            ready.set()
-            await box["stop"].wait()
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
-            box["error"] = exc
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, name="fuzz-server", daemon=True)
-    thread.start()
-    assert ready.wait(120) and "error" not in box, box.get("error")
-    srv = Server(box["url"], box["engine"], box["token"], box["stop"], thread)
-    yield srv
-    assert thread.is_alive(), "the server thread died"
-    srv.token.run_sync_soon(srv.stop.set)
-    thread.join(60)
-    assert "error" not in box, box["error"]
+    with serve_in_thread(echo_model_dir, "fuzz-server", server=ServerConfig(max_body_bytes=MAX_BODY),
+                         grammar=False, max_batch=8) as srv:
+        yield srv
     summary = {"categories": dict(sorted(COUNTS.items())), "total": sum(COUNTS.values()),
                "statuses": {k: {str(s): n for s, n in sorted(v.items())} for k, v in sorted(STATUSES.items())}}
     print("\nfuzz_http summary:", json.dumps(summary, indent=1))
@@ -99,7 +78,7 @@ def server(echo_model_dir: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with client_of(server) as c:
         yield c
 
 
@@ -111,24 +90,11 @@ def record(category: str, r: httpx.Response) -> None:
     STATUSES.setdefault(category, Counter())[r.status_code] += 1
 
 
-def assert_envelope(r: httpx.Response, status: int | tuple[int, ...] = 400) -> dict[str, Any]:
-    statuses = (status,) if isinstance(status, int) else status
-    assert r.status_code in statuses, (r.status_code, r.text[:500])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str)
-    assert err["param"] is None or isinstance(err["param"], str)
-    assert err["code"] is None or isinstance(err["code"], str)
-    assert r.headers["x-request-id"] == r.headers["openai-request-id"]
-    return err
-
-
 def assert_served(r: httpx.Response, text: str | None, *, prefix: bool = False) -> None:
     """A valid request: 200, and (if ``text``) the echo is exact (or a prefix)."""
     assert r.status_code == 200, (r.status_code, r.text[:500])
     if r.headers["content-type"].startswith("text/event-stream"):
-        lines = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
+        lines = sse_data(r)
         assert lines[-1] == "[DONE]", lines[-3:]
         chunks = [json.loads(d) for d in lines[:-1]]
         assert not any("error" in c for c in chunks), chunks
@@ -156,25 +122,21 @@ def body(text: str = "hello there", **kw: Any) -> dict[str, Any]:
 
 
 def post_json(client: httpx.Client, category: str, obj: Any, **kw: Any) -> httpx.Response:
-    raw = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
-    return post_raw(client, category, raw, **kw)
+    return post_raw(client, category, encode(obj), **kw)
 
 
 def post_raw(client: httpx.Client, category: str, raw: bytes, headers: dict[str, str] | None = None,
              path: str = CHAT) -> httpx.Response:
-    r = client.post(path, content=raw, headers={"Content-Type": "application/json", **(headers or {})})
+    r = post_bytes(client, path, raw, headers)
     record(category, r)
     return r
 
 
 # -- strategies ------------------------------------------------------------------
 
-SAFE = string.ascii_letters + string.digits + " .,!?"
-safe_text = st.text(alphabet=SAFE, min_size=1, max_size=40).filter(lambda s: s.strip() == s and s)
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(10**30), 10**30),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+safe_text = safe_texts(40)
+json_scalar, json_value = json_values(int_bound=10**30, text=st.text(max_size=20), keys=st.text(max_size=8),
+                                      size=4, max_leaves=12)
 not_object = json_value.filter(lambda v: not isinstance(v, dict))
 not_list = json_value.filter(lambda v: not isinstance(v, list))
 not_string = json_value.filter(lambda v: not isinstance(v, str))
@@ -258,44 +220,23 @@ def test_bad_messages(client: httpx.Client, data: st.DataObject) -> None:
 
 
 # Scalar fields and a small oracle for each: True valid, False invalid.
-def _num(lo: float, hi: float):
-    def ok(v: Any) -> bool:
-        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and lo <= v <= hi
-    return ok
-
-
-def _int(lo: int, hi: int):
-    def ok(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
-        if isinstance(v, float) and not v.is_integer():
-            return False
-        return lo <= v <= hi
-    return ok
-
-
-def _boolean(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
 FIELDS: dict[str, Any] = {
-    "temperature": _num(0, 2), "top_p": _num(0, 1), "min_p": _num(0, 1),
-    "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
-    "repetition_penalty": _num(0.01, 10),
-    "max_tokens": _int(1, 2**31 - 1), "max_completion_tokens": _int(1, 2**31 - 1),
+    "temperature": num_in(0, 2), "top_p": num_in(0, 1), "min_p": num_in(0, 1),
+    "presence_penalty": num_in(-2, 2), "frequency_penalty": num_in(-2, 2),
+    "repetition_penalty": num_in(0.01, 10),
+    "max_tokens": int_in(1, 2**31 - 1), "max_completion_tokens": int_in(1, 2**31 - 1),
     # top_k in [1024, 1_000_000] is accepted by validation but crashes mlx-lm's sampler
     # (see test_top_k_beyond_sampler_limit_is_400); the oracle says what OpenAI-style servers do
-    "top_k": _int(-1, 1023),
-    "n": lambda v: _int(1, 1)(v),
-    "stream": _boolean, "logprobs": _boolean, "parallel_tool_calls": _boolean,
+    "top_k": int_in(-1, 1023),
+    "n": lambda v: int_in(1, 1)(v),
+    "stream": is_bool, "logprobs": is_bool, "parallel_tool_calls": is_bool,
     "seed": lambda v: not isinstance(v, bool) and isinstance(v, int) and -(2**63) <= v < 2**64,
     "model": lambda v: isinstance(v, str),
     "reasoning_effort": lambda v: v in ("none", "minimal", "low", "medium", "high"),
-    "enable_thinking": _boolean,
+    "enable_thinking": is_bool,
 }
 SAMPLING = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "top_k", "seed"}
-CONTEXT = 32768  # the echo model's
 
 field_value = st.one_of(
     json_value,
@@ -359,20 +300,10 @@ def test_unknown_extra_fields_are_ignored(client: httpx.Client, extra: dict[str,
                                           stream: bool) -> None:
     text = "extra fields"
     r = post_json(client, "extra_fields", {**extra, **body(text, stream=stream)})
-    if any(_has_surrogate(k) or _has_surrogate(v) for k, v in extra.items()):
+    if any(has_surrogate(k) or has_surrogate(v) for k, v in extra.items()):
         assert_envelope(r)
     else:
         assert_served(r, text)
-
-
-def _has_surrogate(v: Any) -> bool:
-    if isinstance(v, str):
-        return any(0xD800 <= ord(ch) <= 0xDFFF for ch in v)
-    if isinstance(v, list):
-        return any(_has_surrogate(x) for x in v)
-    if isinstance(v, dict):
-        return any(_has_surrogate(k) or _has_surrogate(x) for k, x in v.items())
-    return False
 
 
 @fuzz
@@ -619,7 +550,7 @@ response_format = st.one_of(
 @given(rf=response_format)
 def test_response_format_garbage(client: httpx.Client, rf: Any) -> None:
     r = post_json(client, "response_format", body('{"a": 1}', response_format=rf))
-    if _has_surrogate(rf):
+    if has_surrogate(rf):
         assert_envelope(r)
     elif response_format_ok(rf):
         assert_served(r, None)
@@ -633,7 +564,7 @@ def test_response_format_garbage(client: httpx.Client, rf: Any) -> None:
 def test_stream_options(client: httpx.Client, opts: Any) -> None:
     r = post_json(client, "stream_options", body("usage?", stream=True, stream_options=opts))
     ok = opts is None or (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool))
-    if _has_surrogate(opts):
+    if has_surrogate(opts):
         assert_envelope(r)
     elif ok:
         assert_served(r, "usage?")
@@ -670,7 +601,7 @@ logit_bias = st.one_of(
 @given(lb=logit_bias)
 def test_logit_bias(client: httpx.Client, lb: Any) -> None:
     r = post_json(client, "logit_bias", body("bias", logit_bias=lb, max_tokens=64))
-    if _has_surrogate(lb):
+    if has_surrogate(lb):
         assert_envelope(r)
     elif logit_bias_ok(lb):
         assert_served(r, None)  # a bias may change what the echo model says
@@ -685,7 +616,7 @@ def test_stop(client: httpx.Client, stop: Any) -> None:
     items = [stop] if isinstance(stop, str) else stop
     ok = stop is None or (isinstance(items, list) and len(items) <= 16
                           and all(isinstance(s, str) and s for s in items))
-    if _has_surrogate(stop):
+    if has_surrogate(stop):
         assert_envelope(r)
     elif ok:
         assert_served(r, "stop words here", prefix=True)

@@ -14,10 +14,8 @@ echo must be exact.  After each test a normal request is served exactly.
 from __future__ import annotations
 
 import json
-import math
 import os
 import string
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,62 +25,45 @@ import anthropic
 import httpx
 import pydantic
 import pytest
-import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afm_http import ServerConfig
-from afm_http.testing import running_server
+from tests.http.fuzz_helpers import (
+    MAX_BODY,
+    Server,
+    client_of,
+    encode,
+    fuzz_settings,
+    json_values,
+    num_in,
+    post_bytes,
+    safe_texts,
+    serve_in_thread,
+)
 
 MESSAGES = "/v1/messages"
-MAX_BODY = 64 * 1024
 STATUS_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 413: "request_too_large"}
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
 STATUSES: dict[str, Counter[int]] = {}  # test -> statuses seen (printed with ``pytest -s``)
 
-fuzz = settings(max_examples=80, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+fuzz = fuzz_settings(80)
 
 
 @pytest.fixture(scope="module")
-def url(echo_model_dir: Path) -> Iterator[str]:
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        cfg = ServerConfig(max_body_bytes=MAX_BODY)
-        async with running_server(echo_model_dir, server=cfg, grammar=False, max_batch=8) as (base, engine):
-            box.update(url=base, engine=engine, stop=trio.Event(), token=trio.lowlevel.current_trio_token())
-            ready.set()
-            await box["stop"].wait()
-            stats = engine.statistics()
-            box["left"] = (stats.running, stats.requests_active)
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
-            box["error"] = exc
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, name="fuzz-anthropic-server", daemon=True)
-    thread.start()
-    assert ready.wait(120) and "error" not in box, box.get("error")
-    yield box["url"]
-    assert thread.is_alive(), "the server thread died"
-    box["token"].run_sync_soon(box["stop"].set)
-    thread.join(60)
-    assert "error" not in box, box["error"]
-    assert box["left"] == (0, 0)  # nothing left generating or registered
+def server(echo_model_dir: Path) -> Iterator[Server]:
+    with serve_in_thread(echo_model_dir, "fuzz-anthropic-server", server=ServerConfig(max_body_bytes=MAX_BODY),
+                         grammar=False, max_batch=8) as srv:
+        yield srv
+    stats = srv.final_statistics
+    assert (stats.running, stats.requests_active) == (0, 0)  # nothing left generating or registered
     print("\nfuzz_anthropic statuses:", {k: dict(v) for k, v in sorted(STATUSES.items())})
 
 
 @pytest.fixture(scope="module")
-def client(url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=60) as c:
+def client(server: Server) -> Iterator[httpx.Client]:
+    with client_of(server) as c:
         yield c
 
 
@@ -97,12 +78,11 @@ def body(text: str = "hello there", **kw: Any) -> dict[str, Any]:
 
 
 def post(client: httpx.Client, obj: Any, path: str = MESSAGES) -> httpx.Response:
-    raw = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
-    return post_raw(client, raw, path)
+    return post_raw(client, encode(obj), path)
 
 
 def post_raw(client: httpx.Client, raw: bytes, path: str = MESSAGES) -> httpx.Response:
-    r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    r = post_bytes(client, path, raw)
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
     STATUSES.setdefault(test, Counter())[r.status_code] += 1
     return r
@@ -150,12 +130,9 @@ def assert_answered(r: httpx.Response) -> None:
         assert_envelope(r)
 
 
-SAFE = string.ascii_letters + string.digits + " .,!?"
-safe_text = st.text(alphabet=SAFE, min_size=1, max_size=30).filter(lambda s: s.strip() == s and s)
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(10**20), 10**20),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=8)
+safe_text = safe_texts(30)
+json_scalar, json_value = json_values(int_bound=10**20, text=st.text(max_size=12), keys=st.text(max_size=8),
+                                      size=3, max_leaves=8)
 
 
 @fuzz
@@ -171,8 +148,7 @@ def test_not_a_message_body(client: httpx.Client, raw: bytes) -> None:
 
 
 # field -> oracle (True: valid); None always means "absent"
-def _unit(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and 0 <= v <= 1
+_unit = num_in(0, 1)
 
 
 def _count(lo: int) -> Any:

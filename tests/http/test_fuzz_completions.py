@@ -11,9 +11,6 @@ right; never a 500, and after each category a normal completion is served.
 from __future__ import annotations
 
 import json
-import math
-import string
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,72 +18,49 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from afm_http.testing import running_server
+from tests.http.fuzz_helpers import (
+    CONTEXT,
+    Server,
+    assert_openai_envelope,
+    client_of,
+    encode,
+    fuzz_settings,
+    int_in,
+    is_bool,
+    json_values,
+    num_in,
+    post_bytes,
+    safe_texts,
+    serve_in_thread,
+    sse_data,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 MAX_BATCH, MAX_WAITING = 4, 8  # at most 12 choices per request
-CONTEXT = 32768  # the echo model's
 EXAMPLES = 150
 
 STATUSES: dict[str, Counter[int]] = {}
 
-fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
-
-
-class Server:
-    def __init__(self, url: str, vocab: int, token: trio.lowlevel.TrioToken, stop: trio.Event,
-                 thread: threading.Thread, engine: Any) -> None:
-        self.url, self.vocab, self.token, self.stop, self.thread, self.engine = url, vocab, token, stop, thread, engine
-
-    def statistics(self) -> Any:
-        return trio.from_thread.run_sync(self.engine.statistics, trio_token=self.token)
+fuzz = fuzz_settings(EXAMPLES)
 
 
 @pytest.fixture(scope="module")
 def server(echo_model_dir: Path) -> Iterator[Server]:
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        async with running_server(echo_model_dir, grammar=False, max_batch=MAX_BATCH,
-                                  max_waiting=MAX_WAITING) as (url, eng):
-            box["stop"] = trio.Event()
-            box.update(url=url, engine=eng, token=trio.lowlevel.current_trio_token(),
-                       vocab=min(eng.info.vocab_size, len(eng._tokenizer)))
-            ready.set()
-            await box["stop"].wait()
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
-            box["error"] = exc
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, name="fuzz-completions-server", daemon=True)
-    thread.start()
-    assert ready.wait(120) and "error" not in box, box.get("error")
-    srv = Server(box["url"], box["vocab"], box["token"], box["stop"], thread, box["engine"])
-    yield srv
-    assert thread.is_alive(), "the server thread died"
-    srv.token.run_sync_soon(srv.stop.set)
-    thread.join(60)
-    assert "error" not in box, box["error"]
+    with serve_in_thread(echo_model_dir, "fuzz-completions-server",
+                         on_start=lambda eng: {"vocab": min(eng.info.vocab_size, len(eng._tokenizer))},
+                         grammar=False, max_batch=MAX_BATCH, max_waiting=MAX_WAITING) as srv:
+        yield srv
     print("\nfuzz_completions statuses:",
           json.dumps({k: {str(s): n for s, n in sorted(v.items())} for k, v in sorted(STATUSES.items())}))
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with client_of(server) as c:
         yield c
 
 
@@ -103,21 +77,15 @@ def _normal_after_each_category(server: Server, client: httpx.Client) -> Iterato
 
 
 def post(client: httpx.Client, category: str, obj: Any = None, raw: bytes | None = None) -> httpx.Response:
-    if raw is None:
-        raw = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
-    r = client.post(COMPLETIONS, content=raw, headers={"Content-Type": "application/json"})
+    r = post_bytes(client, COMPLETIONS, encode(obj) if raw is None else raw)
     STATUSES.setdefault(category, Counter())[r.status_code] += 1
     assert r.status_code != 500 and r.status_code < 500, (r.status_code, r.text[:500])
     return r
 
 
 def assert_envelope(r: httpx.Response) -> dict[str, Any]:
-    assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["param"] is None or isinstance(err["param"], str)
-    return err
+    """Any 4xx, in OpenAI's envelope."""
+    return assert_openai_envelope(r, tuple(range(400, 500)))
 
 
 def texts_of(r: httpx.Response) -> dict[int, str]:
@@ -127,7 +95,7 @@ def texts_of(r: httpx.Response) -> dict[int, str]:
         data = r.json()
         assert data["object"] == "text_completion" and data["usage"]["total_tokens"] >= 0
         return {c["index"]: c["text"] for c in data["choices"]}
-    lines = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
+    lines = sse_data(r)
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(d) for d in lines[:-1]]
     assert not any("error" in c for c in chunks), chunks
@@ -140,12 +108,9 @@ def texts_of(r: httpx.Response) -> dict[int, str]:
 
 # -- strategies --------------------------------------------------------------------------
 
-SAFE = string.ascii_letters + string.digits + " .,!?"
-safe_text = st.text(alphabet=SAFE, min_size=1, max_size=30).filter(lambda s: s.strip() == s and s)
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(10**20), 10**20),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=10)
+safe_text = safe_texts(30)
+json_scalar, json_value = json_values(int_bound=10**20, text=st.text(max_size=12), keys=st.text(max_size=8),
+                                      size=4, max_leaves=10)
 token_id = st.one_of(st.integers(0, 1100), st.integers(-5, 2**32), st.booleans(), st.floats(0, 10),
                      st.text(max_size=3))
 prompt_value = st.one_of(
@@ -204,7 +169,7 @@ def expected_text(prompt: Any) -> str | None:
 @given(value=prompt_value, stream=st.booleans())
 def test_prompt_forms(server: Server, client: httpx.Client, value: Any, stream: bool) -> None:
     r = post(client, "prompt", {"prompt": value, "max_tokens": 40, "stream": stream})
-    prompts = prompts_of(value, server.vocab)
+    prompts = prompts_of(value, server.extra["vocab"])
     if prompts is None or len(prompts) > MAX_BATCH + MAX_WAITING:
         err = assert_envelope(r)
         assert err["param"] is not None and (err["param"].startswith("prompt") or err["param"] == "body")
@@ -217,32 +182,12 @@ def test_prompt_forms(server: Server, client: httpx.Client, value: Any, stream: 
             assert got[i] == want
 
 
-def _num(lo: float, hi: float):
-    def ok(v: Any) -> bool:
-        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and lo <= v <= hi
-    return ok
-
-
-def _int(lo: int, hi: int):
-    def ok(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
-        if isinstance(v, float) and not v.is_integer():
-            return False
-        return lo <= v <= hi
-    return ok
-
-
-def _boolean(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
 FIELDS: dict[str, Any] = {
-    "temperature": _num(0, 2), "top_p": _num(0, 1), "min_p": _num(0, 1),
-    "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2), "repetition_penalty": _num(0.01, 10),
-    "max_tokens": _int(0, 2**31 - 1), "top_k": _int(-1, 1023), "n": _int(1, MAX_BATCH + MAX_WAITING),
-    "logprobs": lambda v: v is False or (_int(0, 20)(v) and v is not True),
-    "stream": _boolean, "echo": _boolean, "ignore_eos": _boolean, "add_special_tokens": _boolean,
+    "temperature": num_in(0, 2), "top_p": num_in(0, 1), "min_p": num_in(0, 1),
+    "presence_penalty": num_in(-2, 2), "frequency_penalty": num_in(-2, 2), "repetition_penalty": num_in(0.01, 10),
+    "max_tokens": int_in(0, 2**31 - 1), "top_k": int_in(-1, 1023), "n": int_in(1, MAX_BATCH + MAX_WAITING),
+    "logprobs": lambda v: v is False or (int_in(0, 20)(v) and v is not True),
+    "stream": is_bool, "echo": is_bool, "ignore_eos": is_bool, "add_special_tokens": is_bool,
     "seed": lambda v: _is_int(v) and -(2**63) <= v < 2**64,
     "model": lambda v: isinstance(v, str),
     "suffix": lambda v: False,  # a string asks for fill-in-the-middle: the echo model has no FIM tokens
@@ -278,7 +223,7 @@ VALID: dict[str, Any] = {  # values each field accepts, so the valid side gets e
 @given(data=st.data(), key=st.sampled_from(sorted(FIELDS)), stream=st.booleans())
 def test_field_types_and_ranges(client: httpx.Client, data: st.DataObject, key: str, stream: bool) -> None:
     value = data.draw(st.one_of(field_value, VALID.get(key, st.booleans())))
-    if key == "top_k" and _int(1024, 1_000_000)(value):
+    if key == "top_k" and int_in(1024, 1_000_000)(value):
         value = 5000.5
     text = "fuzzed field"
     obj: dict[str, Any] = {"prompt": CHAT_PROMPT.format(text), key: value}

@@ -14,8 +14,6 @@ parameter, valid ones a 200 whose echoed text is right; where it does not
 from __future__ import annotations
 
 import json
-import math
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,59 +21,46 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afm_http import ServerConfig
-from afm_http.testing import running_server
+from tests.http.fuzz_helpers import (
+    CONTEXT,
+    MAX_BODY,
+    Server,
+    client_of,
+    encode,
+    fuzz_settings,
+    int_in,
+    json_values,
+    num_in,
+    post_bytes,
+    serve_in_thread,
+)
+from tests.http.fuzz_helpers import (
+    assert_openai_envelope as assert_envelope,
+)
 
 RESPONSES = "/v1/responses"
-MAX_BODY = 64 * 1024
-CONTEXT = 32768  # the echo model's
 EXAMPLES = 150
 
-fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+fuzz = fuzz_settings(EXAMPLES)
 
 
 # -- the server ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def server_url(echo_model_dir: Path) -> Iterator[str]:
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        cfg = ServerConfig(max_body_bytes=MAX_BODY)
-        async with running_server(echo_model_dir, server=cfg, grammar=False, max_batch=8) as (url, _):
-            box.update(url=url, stop=trio.Event(), token=trio.lowlevel.current_trio_token())
-            ready.set()
-            await box["stop"].wait()
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
-            box["error"] = exc
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=run, name="fuzz-responses-server", daemon=True)
-    thread.start()
-    assert ready.wait(120) and "error" not in box, box.get("error")
-    yield box["url"]
-    assert thread.is_alive(), "the server thread died"
-    box["token"].run_sync_soon(box["stop"].set)
-    thread.join(60)
-    assert "error" not in box, box["error"]
+def server(echo_model_dir: Path) -> Iterator[Server]:
+    with serve_in_thread(echo_model_dir, "fuzz-responses-server", server=ServerConfig(max_body_bytes=MAX_BODY),
+                         grammar=False, max_batch=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def client(server_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server_url, timeout=60) as c:
+def client(server: Server) -> Iterator[httpx.Client]:
+    with client_of(server) as c:
         yield c
 
 
@@ -89,24 +74,11 @@ def _normal_after_each_test(client: httpx.Client) -> Iterator[None]:
 
 
 def post(client: httpx.Client, obj: Any) -> httpx.Response:
-    raw = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
-    return post_raw(client, raw)
+    return post_raw(client, encode(obj))
 
 
 def post_raw(client: httpx.Client, raw: bytes) -> httpx.Response:
-    return client.post(RESPONSES, content=raw, headers={"Content-Type": "application/json"})
-
-
-def assert_envelope(r: httpx.Response, statuses: tuple[int, ...] = (400,)) -> dict[str, Any]:
-    assert r.status_code in statuses, (r.status_code, r.text[:500])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str)
-    assert err["param"] is None or isinstance(err["param"], str)
-    assert err["code"] is None or isinstance(err["code"], str)
-    assert r.headers["x-request-id"] == r.headers["openai-request-id"]
-    return err
+    return post_bytes(client, RESPONSES, raw)
 
 
 def output_text(r: httpx.Response) -> str:
@@ -142,10 +114,7 @@ def assert_ok_or_names(r: httpx.Response, *params: str) -> None:
 
 text = st.text(st.characters(exclude_categories=["Cs"]), max_size=20)
 safe_text = st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=20).map(str.strip).filter(bool)
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(10**30), 10**30),
-                        st.floats(allow_nan=False, allow_infinity=False), text)
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(text, inner, max_size=4)), max_leaves=12)
+json_scalar, json_value = json_values(int_bound=10**30, text=text, keys=text, size=4, max_leaves=12)
 not_object = json_value.filter(lambda v: not isinstance(v, dict))
 not_string = json_value.filter(lambda v: not isinstance(v, str))
 
@@ -248,21 +217,6 @@ def test_input_items(client: httpx.Client, data: st.DataObject, stream: bool) ->
 # -- scalar fields with an oracle: True valid, False invalid -------------------------------
 
 
-def _num(lo: float, hi: float) -> Any:
-    return lambda v: not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) \
-        and lo <= v <= hi
-
-
-def _int(lo: int, hi: int) -> Any:
-    def ok(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
-        if isinstance(v, float) and not v.is_integer():
-            return False
-        return lo <= v <= hi
-    return ok
-
-
 def _is(kind: type) -> Any:
     return lambda v: isinstance(v, kind)
 
@@ -273,9 +227,9 @@ def _metadata(v: Any) -> bool:
 
 
 FIELDS: dict[str, Any] = {
-    "temperature": _num(0, 2), "top_p": _num(0, 1),
-    "max_output_tokens": _int(1, 2**31 - 1), "max_tool_calls": _int(1, 2**31 - 1),
-    "top_logprobs": _int(0, 20),
+    "temperature": num_in(0, 2), "top_p": num_in(0, 1),
+    "max_output_tokens": int_in(1, 2**31 - 1), "max_tool_calls": int_in(1, 2**31 - 1),
+    "top_logprobs": int_in(0, 20),
     "stream": _is(bool), "store": _is(bool), "parallel_tool_calls": _is(bool),
     "background": lambda v: v is False,  # true is valid but unsupported: 400 too
     "instructions": _is(str), "model": _is(str), "user": _is(str), "service_tier": _is(str),
