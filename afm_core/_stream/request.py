@@ -12,11 +12,11 @@ validates the settings for each (the engine runs one request per prompt).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import RequestError, UnsupportedError
+from .._errors import UnsupportedError
+from .validate import err, flag, include_usage, integer, number, optional_str, seed, valid_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_STOP = 16
@@ -24,101 +24,50 @@ MAX_TOP_LOGPROBS = 20
 MAX_INT = 2**31 - 1
 
 
-def _err(message: str, param: str) -> RequestError:
-    return RequestError(message, param=param)
-
-
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float | None) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise _err(f"'{key}' must be a number", key)
-    try:
-        v = float(v)
-    except OverflowError:  # an integer beyond float range
-        v = math.inf
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise _err(f"'{key}' must be between {lo:g} and {hi:g}", key)
-    return v
-
-
-def _integer(body: dict[str, Any], key: str, lo: int, hi: int, default: int | None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise _err(f"'{key}' must be an integer", key)
-    if not lo <= v <= hi:
-        raise _err(f"'{key}' must be between {lo} and {hi}", key)
-    return v
-
-
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _err(f"'{key}' must be a boolean", key)
-    return v
-
-
-def _valid_text(text: str, param: str) -> str:
-    """``text`` unless it holds lone surrogates (not encodable as UTF-8)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _err("text contains invalid unicode (a lone surrogate)", param) from None
-    return text
-
-
 def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
     """Flatten OpenAI content (string or list of text parts) to a string."""
     if content is None:
         if allow_none:
             return None
-        raise _err("message content is required", param)
+        raise err("message content is required", param)
     if isinstance(content, str):
-        return _valid_text(content, param)
+        return valid_text(content, param)
     if isinstance(content, list):
         out = []
         for i, part in enumerate(content):
             p = f"{param}[{i}]"
             if not isinstance(part, dict):
-                raise _err("content parts must be objects", p)
+                raise err("content parts must be objects", p)
             kind = part.get("type")
             if kind in ("text", "input_text", "output_text"):
                 text = part.get("text")
                 if not isinstance(text, str):
-                    raise _err("a text part needs a string 'text'", p)
+                    raise err("a text part needs a string 'text'", p)
                 out.append(text)
             elif kind in ("image_url", "input_audio", "file", "image"):
                 raise UnsupportedError(f"content part type '{kind}' is not supported by this model", param=p)
             else:
-                raise _err(f"unknown content part type {kind!r}", p)
-        return _valid_text("".join(out), param)
-    raise _err("message content must be a string or a list of parts", param)
+                raise err(f"unknown content part type {kind!r}", p)
+        return valid_text("".join(out), param)
+    raise err("message content must be a string or a list of parts", param)
 
 
 def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
-        raise _err("'tool_calls' must be an array", param)
+        raise err("'tool_calls' must be an array", param)
     out = []
     for i, call in enumerate(calls):
         p = f"{param}[{i}]"
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise _err("a tool call needs a 'function' object", p)
+            raise err("a tool call needs a 'function' object", p)
         fn = call["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise _err("a tool call needs a function name", f"{p}.function.name")
+            raise err("a tool call needs a function name", f"{p}.function.name")
         args = fn.get("arguments", "")
         if not isinstance(args, str):
-            raise _err("tool call arguments must be a JSON string", f"{p}.function.arguments")
-        _valid_text(args, f"{p}.function.arguments")
+            raise err("tool call arguments must be a JSON string", f"{p}.function.arguments")
+        valid_text(args, f"{p}.function.arguments")
         out.append(
             {
                 "id": str(call.get("id") or f"call_{i}"),
@@ -131,15 +80,15 @@ def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
 
 def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(raw, list) or not raw:
-        raise _err("'messages' must be a non-empty array", "messages")
+        raise err("'messages' must be a non-empty array", "messages")
     out = []
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _err("each message must be an object", p)
+            raise err("each message must be an object", p)
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise _err(f"unknown role {role!r}", f"{p}.role")
+            raise err(f"unknown role {role!r}", f"{p}.role")
         if role == "developer":
             role = "system"
         if role == "function":
@@ -154,17 +103,17 @@ def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if role == "assistant" and reasoning is not None:
             if not isinstance(reasoning, str):
-                raise _err("'reasoning_content' must be a string", f"{p}.reasoning_content")
+                raise err("'reasoning_content' must be a string", f"{p}.reasoning_content")
             msg["reasoning_content"] = reasoning
         if role == "tool":
             tcid = m.get("tool_call_id")
             if tcid is not None and not isinstance(tcid, str):
-                raise _err("'tool_call_id' must be a string", f"{p}.tool_call_id")
+                raise err("'tool_call_id' must be a string", f"{p}.tool_call_id")
             msg["tool_call_id"] = tcid
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
-                raise _err("'name' must be a string", f"{p}.name")
+                raise err("'name' must be a string", f"{p}.name")
             msg["name"] = name
         out.append(msg)
     return tuple(out)
@@ -174,31 +123,31 @@ def _tools(raw: Any) -> tuple[dict[str, Any], ...] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise _err("'tools' must be an array", "tools")
+        raise err("'tools' must be an array", "tools")
     out = []
     names = set()
     for i, t in enumerate(raw):
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise _err("each tool must be {'type': 'function', 'function': {...}}", p)
+            raise err("each tool must be {'type': 'function', 'function': {...}}", p)
         fn = t.get("function")
         if not isinstance(fn, dict):
-            raise _err("a tool needs a 'function' object", f"{p}.function")
+            raise err("a tool needs a 'function' object", f"{p}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not name or len(name) > 256:
-            raise _err("a tool needs a function name (1-256 characters)", f"{p}.function.name")
+            raise err("a tool needs a function name (1-256 characters)", f"{p}.function.name")
         if name in names:
-            raise _err(f"duplicate tool name {name!r}", f"{p}.function.name")
+            raise err(f"duplicate tool name {name!r}", f"{p}.function.name")
         names.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise _err("'parameters' must be a JSON schema object", f"{p}.function.parameters")
+            raise err("'parameters' must be a JSON schema object", f"{p}.function.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
-            raise _err("'description' must be a string", f"{p}.function.description")
+            raise err("'description' must be a string", f"{p}.function.description")
         strict = fn.get("strict", False)
         if not isinstance(strict, bool):
-            raise _err("'strict' must be a boolean", f"{p}.function.strict")
+            raise err("'strict' must be a boolean", f"{p}.function.strict")
         entry: dict[str, Any] = {"name": name, "parameters": params}
         if desc is not None:
             entry["description"] = desc
@@ -213,23 +162,23 @@ def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> str | di
         return "auto" if tools else "none"
     if isinstance(raw, str):
         if raw not in ("auto", "none", "required"):
-            raise _err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
+            raise err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
         if raw == "required" and not tools:
-            raise _err("tool_choice 'required' needs tools", "tool_choice")
+            raise err("tool_choice 'required' needs tools", "tool_choice")
         return raw
     if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
         name = raw["function"].get("name")
         if not isinstance(name, str) or not tools or name not in {t["function"]["name"] for t in tools}:
-            raise _err(f"tool_choice names an unknown function {name!r}", "tool_choice")
+            raise err(f"tool_choice names an unknown function {name!r}", "tool_choice")
         return {"type": "function", "function": {"name": name}}
-    raise _err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
+    raise err("'tool_choice' must be auto, none, required or a named function", "tool_choice")
 
 
 def _response_format(raw: Any) -> dict[str, Any] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise _err("'response_format' must be an object", "response_format")
+        raise err("'response_format' must be an object", "response_format")
     kind = raw.get("type")
     if kind == "text":
         return None
@@ -238,18 +187,18 @@ def _response_format(raw: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         js = raw.get("json_schema")
         if not isinstance(js, dict):
-            raise _err("'json_schema' must be an object", "response_format.json_schema")
+            raise err("'json_schema' must be an object", "response_format.json_schema")
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
-            raise _err("'schema' must be a JSON schema object", "response_format.json_schema.schema")
+            raise err("'schema' must be a JSON schema object", "response_format.json_schema.schema")
         name = js.get("name", "response")
         if not isinstance(name, str):
-            raise _err("'name' must be a string", "response_format.json_schema.name")
+            raise err("'name' must be a string", "response_format.json_schema.name")
         strict = js.get("strict", False)
         if not isinstance(strict, bool):
-            raise _err("'strict' must be a boolean", "response_format.json_schema.strict")
+            raise err("'strict' must be a boolean", "response_format.json_schema.strict")
         return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}
-    raise _err("response_format type must be text, json_object or json_schema", "response_format.type")
+    raise err("response_format type must be text, json_object or json_schema", "response_format.type")
 
 
 def _stop(raw: Any) -> tuple[str, ...]:
@@ -258,10 +207,10 @@ def _stop(raw: Any) -> tuple[str, ...]:
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list) or len(raw) > MAX_STOP:
-        raise _err(f"'stop' must be a string or up to {MAX_STOP} strings", "stop")
+        raise err(f"'stop' must be a string or up to {MAX_STOP} strings", "stop")
     for s in raw:
         if not isinstance(s, str) or not s:
-            raise _err("stop sequences must be non-empty strings", "stop")
+            raise err("stop sequences must be non-empty strings", "stop")
     return tuple(raw)
 
 
@@ -269,17 +218,39 @@ def _logit_bias(raw: Any) -> dict[int, float]:
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > 1024:
-        raise _err("'logit_bias' must be an object of at most 1024 token ids", "logit_bias")
+        raise err("'logit_bias' must be an object of at most 1024 token ids", "logit_bias")
     out = {}
     for k, v in raw.items():
         try:
             tid = int(k)
         except (TypeError, ValueError):
-            raise _err(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+            raise err(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
         if tid < 0 or isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-            raise _err("logit_bias values must be numbers in [-100, 100]", "logit_bias")
+            raise err("logit_bias values must be numbers in [-100, 100]", "logit_bias")
         out[tid] = float(v)
     return out
+
+
+def _seed_and_top_k(body: dict[str, Any]) -> dict[str, Any]:
+    """``seed`` and ``top_k`` of a chat or completions body (``top_k`` -1 or 0: off)."""
+    s = seed(body)
+    top_k = integer(body, "top_k", -1, 1_000_000, 0) or 0
+    return {"seed": s, "top_k": max(top_k, 0)}
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampler settings and stop strings that chat and completions bodies share, validated in
+    this order."""
+    return {
+        "temperature": number(body, "temperature", 0.0, 2.0, 1.0) or 0.0,
+        "top_p": number(body, "top_p", 0.0, 1.0, 1.0) or 0.0,
+        "min_p": number(body, "min_p", 0.0, 1.0, 0.0) or 0.0,
+        "stop": _stop(body.get("stop")),
+        "presence_penalty": number(body, "presence_penalty", -2.0, 2.0, 0.0) or 0.0,
+        "frequency_penalty": number(body, "frequency_penalty", -2.0, 2.0, 0.0) or 0.0,
+        "repetition_penalty": number(body, "repetition_penalty", 0.01, 10.0, 1.0) or 1.0,
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,68 +286,49 @@ class ChatRequest:
     def from_openai(cls, body: Any) -> ChatRequest:
         """Validate an OpenAI chat completion body."""
         if not isinstance(body, dict):
-            raise _err("the request body must be a JSON object", "body")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _err("'model' must be a string", "model")
-        n = _integer(body, "n", 1, 128, 1)
+            raise err("the request body must be a JSON object", "body")
+        model = optional_str(body, "model")
+        n = integer(body, "n", 1, 128, 1)
         if n != 1:
             raise UnsupportedError("only n=1 is supported", param="n")
-        stream = _bool(body, "stream", False)
-        opts = body.get("stream_options")
-        include_usage = False
-        if opts is not None:
-            if not isinstance(opts, dict):
-                raise _err("'stream_options' must be an object", "stream_options")
-            iu = opts.get("include_usage", False)
-            if not isinstance(iu, bool):
-                raise _err("'include_usage' must be a boolean", "stream_options.include_usage")
-            include_usage = iu
+        stream = flag(body, "stream", False)
+        usage = include_usage(body)
         tools = _tools(body.get("tools"))
-        max_tokens = _integer(body, "max_completion_tokens", 1, MAX_INT, None)
+        max_tokens = integer(body, "max_completion_tokens", 1, MAX_INT, None)
         if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens", 1, MAX_INT, None)
-        logprobs = _bool(body, "logprobs", False)
-        top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0) or 0
+            max_tokens = integer(body, "max_tokens", 1, MAX_INT, None)
+        logprobs = flag(body, "logprobs", False)
+        top_logprobs = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0) or 0
         if top_logprobs and not logprobs:
-            raise _err("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+            raise err("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         ctk = body.get("chat_template_kwargs") or {}
         if not isinstance(ctk, dict):
-            raise _err("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+            raise err("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         enable_thinking = body.get("enable_thinking", ctk.get("enable_thinking"))
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
-            raise _err("'enable_thinking' must be a boolean", "enable_thinking")
+            raise err("'enable_thinking' must be a boolean", "enable_thinking")
         effort = body.get("reasoning_effort")
         if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
-            raise _err("'reasoning_effort' must be none, minimal, low, medium or high", "reasoning_effort")
+            raise err("'reasoning_effort' must be none, minimal, low, medium or high", "reasoning_effort")
         if effort == "none" and enable_thinking is None:
             enable_thinking = False
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise _err("'seed' must be an integer", "seed")
-        if seed is not None and not -(2**63) <= seed < 2**64:
-            raise _err("'seed' is out of range", "seed")
-        top_k = _integer(body, "top_k", -1, 1_000_000, 0) or 0
+        seed_and_top_k = _seed_and_top_k(body)
+        messages = _messages(body.get("messages"))
+        tool_choice = _tool_choice(body.get("tool_choice"), tools)
+        parallel_tool_calls = flag(body, "parallel_tool_calls", True)
+        response_format = _response_format(body.get("response_format"))
         return cls(
-            messages=_messages(body.get("messages")),
+            messages=messages,
             model=model,
             stream=stream,
-            include_usage=include_usage,
+            include_usage=usage,
             tools=tools,
-            tool_choice=_tool_choice(body.get("tool_choice"), tools),
-            parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-            response_format=_response_format(body.get("response_format")),
-            temperature=_number(body, "temperature", 0.0, 2.0, 1.0) or 0.0,
-            top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 0.0,
-            top_k=max(top_k, 0),
-            min_p=_number(body, "min_p", 0.0, 1.0, 0.0) or 0.0,
-            seed=seed,
-            stop=_stop(body.get("stop")),
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            response_format=response_format,
             max_tokens=max_tokens,
-            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0) or 0.0,
-            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0) or 0.0,
-            repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0) or 1.0,
-            logit_bias=_logit_bias(body.get("logit_bias")),
+            **seed_and_top_k,
+            **_sampling(body),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             chat_template_kwargs=dict(ctk),
@@ -403,17 +355,17 @@ Prompt = str | tuple[int, ...]
 
 def _prompt_ids(raw: list[Any], param: str) -> tuple[int, ...]:
     if not raw:
-        raise _err("a token-id prompt must not be empty", param)
+        raise err("a token-id prompt must not be empty", param)
     for i, t in enumerate(raw):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_PROMPT_ID:
-            raise _err("token ids must be non-negative integers", f"{param}[{i}]")
+            raise err("token ids must be non-negative integers", f"{param}[{i}]")
     return tuple(raw)
 
 
 def _prompt_text(raw: str, param: str) -> str:
     if not raw:
-        raise _err("the prompt must not be empty", param)
-    return _valid_text(raw, param)
+        raise err("the prompt must not be empty", param)
+    return valid_text(raw, param)
 
 
 def completion_prompts(raw: Any) -> tuple[Prompt, ...]:
@@ -426,7 +378,7 @@ def completion_prompts(raw: Any) -> tuple[Prompt, ...]:
     if isinstance(raw, str):
         return (_prompt_text(raw, "prompt"),)
     if not isinstance(raw, list) or not raw:
-        raise _err(shape, "prompt")
+        raise err(shape, "prompt")
     if isinstance(raw[0], int):  # a list of token ids (one prompt)
         return (_prompt_ids(raw, "prompt"),)
     out: list[Prompt] = []
@@ -436,7 +388,7 @@ def completion_prompts(raw: Any) -> tuple[Prompt, ...]:
         elif isinstance(p, list):
             out.append(_prompt_ids(p, f"prompt[{i}]"))
         else:
-            raise _err(shape, f"prompt[{i}]")
+            raise err(shape, f"prompt[{i}]")
     return tuple(out)
 
 
@@ -445,9 +397,9 @@ def _legacy_logprobs(body: dict[str, Any]) -> int | None:
     if v is None or v is False:
         return None
     if v is True:
-        raise _err(f"'logprobs' is the number of alternatives to list per token (0-{MAX_TOP_LOGPROBS}) "
+        raise err(f"'logprobs' is the number of alternatives to list per token (0-{MAX_TOP_LOGPROBS}) "
                    "in the completions API", "logprobs")
-    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+    return integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,41 +454,26 @@ class CompletionRequest:
         translation's to check (:mod:`afm_core.api.completions`).
         """
         if not isinstance(body, dict):
-            raise _err("the request body must be a JSON object", "body")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _err("'model' must be a string", "model")
+            raise err("the request body must be a JSON object", "body")
+        model = optional_str(body, "model")
         suffix = body.get("suffix")
         if suffix is not None:
             if not isinstance(suffix, str):
-                raise _err("'suffix' must be a string", "suffix")
-            _valid_text(suffix, "suffix")
-        echo = _bool(body, "echo", False)
+                raise err("'suffix' must be a string", "suffix")
+            valid_text(suffix, "suffix")
+        echo = flag(body, "echo", False)
         logprobs = _legacy_logprobs(body)
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise _err("'seed' must be an integer", "seed")
-        if seed is not None and not -(2**63) <= seed < 2**64:
-            raise _err("'seed' is out of range", "seed")
-        top_k = _integer(body, "top_k", -1, 1_000_000, 0) or 0
+        seed_and_top_k = _seed_and_top_k(body)
         return cls(
             prompt=prompt,
             model=model,
             suffix=suffix,
-            max_tokens=_integer(body, "max_tokens", 0, MAX_INT, 16),
-            temperature=_number(body, "temperature", 0.0, 2.0, 1.0) or 0.0,
-            top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 0.0,
-            top_k=max(top_k, 0),
-            min_p=_number(body, "min_p", 0.0, 1.0, 0.0) or 0.0,
-            seed=seed,
-            stop=_stop(body.get("stop")),
-            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0) or 0.0,
-            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0) or 0.0,
-            repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0) or 1.0,
-            logit_bias=_logit_bias(body.get("logit_bias")),
+            max_tokens=integer(body, "max_tokens", 0, MAX_INT, 16),
+            **seed_and_top_k,
+            **_sampling(body),
             logprobs=logprobs is not None,
             top_logprobs=logprobs or 0,
             prompt_logprobs=logprobs if echo else None,
-            ignore_eos=_bool(body, "ignore_eos", False),
-            add_special_tokens=_bool(body, "add_special_tokens", True),
+            ignore_eos=flag(body, "ignore_eos", False),
+            add_special_tokens=flag(body, "add_special_tokens", True),
         )

@@ -84,6 +84,7 @@ from .._stream.events import (
 from .._stream.request import ChatRequest
 from .._stream.sse import dumps
 from .._stream.stops import StopMatcher
+from .._stream.validate import as_float
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -163,12 +164,9 @@ def _unit(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    number = as_float(value)  # an integer beyond a float's range is inf
+    if number is None:
         raise _fail(key, "Input should be a valid number")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond a float's range
-        number = math.inf
     if not math.isfinite(number) or number > 1:
         raise _fail(key, "Input should be less than or equal to 1")
     if number < 0:

@@ -59,6 +59,7 @@ from .._stream.events import (
 )
 from .._stream.request import CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
+from .._stream.validate import count, flag, include_usage
 
 __all__ = [
     "DONE",
@@ -97,24 +98,9 @@ class Completion:
         return len(self.requests)
 
 
-def _flag(body: dict[str, Any], key: str) -> bool:
-    v = body.get(key)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise RequestError(f"'{key}' must be a boolean", param=key)
-    return v
-
-
-def _count(body: dict[str, Any], key: str, default: int) -> int:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CHOICES:
-        raise RequestError(f"'{key}' must be an integer between 1 and {MAX_CHOICES}", param=key)
-    return v
+def _choices(body: dict[str, Any], key: str, default: int) -> int:
+    """``n`` or ``best_of``: an integer in ``[1, MAX_CHOICES]``."""
+    return count(body, key, 1, MAX_CHOICES, default) or default  # never 0: at least 1
 
 
 def parse(body: Any) -> Completion:
@@ -129,23 +115,15 @@ def parse(body: Any) -> Completion:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", param="body")
     prompts = completion_prompts(body.get("prompt"))
-    n = _count(body, "n", 1)
+    n = _choices(body, "n", 1)
     best_of = body.get("best_of")
-    if best_of is not None and _count(body, "best_of", n) != n:
+    if best_of is not None and _choices(body, "best_of", n) != n:
         raise UnsupportedError("'best_of' other than 'n' is not supported", param="best_of")
     if len(prompts) * n > MAX_CHOICES:
         raise RequestError(f"at most {MAX_CHOICES} choices (prompts times n) per request",
                            param="prompt")
-    stream = _flag(body, "stream")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise RequestError("'stream_options' must be an object", param="stream_options")
-        iu = opts.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise RequestError("'include_usage' must be a boolean", param="stream_options.include_usage")
-        include_usage = iu
+    stream = flag(body, "stream", False)
+    usage = include_usage(body)
     base = CompletionRequest.from_openai(body, prompts[0])
     requests = []
     prompt_of = []
@@ -158,10 +136,10 @@ def parse(body: Any) -> Completion:
     return Completion(
         requests=tuple(requests),
         prompt_of=tuple(prompt_of),
-        echo=_flag(body, "echo"),
+        echo=flag(body, "echo", False),
         logprobs=base.top_logprobs if base.logprobs else None,
         stream=stream,
-        include_usage=include_usage,
+        include_usage=usage,
         model=base.model,
     )
 

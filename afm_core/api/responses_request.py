@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
-from .._stream.request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest, _valid_text
+from .._stream.request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
+from .._stream.validate import count, err, flag, optional_str, valid_text
 from .responses_store import StoredResponse
 
 __all__ = ["ResponsesCall", "new_id", "parse", "to_messages"]
@@ -47,10 +48,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-def _err(message: str, param: str) -> RequestError:
-    return RequestError(message, param=param)
-
-
 # -- the request -------------------------------------------------------------------
 
 
@@ -76,37 +73,10 @@ class ResponsesCall:
         return self.history + self.input_items
 
 
-def _opt_str(body: dict[str, Any], key: str) -> str | None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, str):
-        raise _err(f"'{key}' must be a string", key)
-    return v
-
-
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _err(f"'{key}' must be a boolean", key)
-    return v
-
-
-def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _err(f"'{key}' must be an integer between {lo} and {hi}", key)
-    return v
-
-
 def _unsupported(body: dict[str, Any]) -> None:
     background = body.get("background")
     if background is not None and not isinstance(background, bool):
-        raise _err("'background' must be a boolean", "background")
+        raise err("'background' must be a boolean", "background")
     if background:
         raise UnsupportedError("background responses are not supported: stream the response, "
                                "or wait for it", param="background")
@@ -125,13 +95,13 @@ def _metadata(raw: Any) -> dict[str, str]:
     if raw is None:
         return {}
     if not isinstance(raw, dict) or len(raw) > MAX_METADATA:
-        raise _err(f"'metadata' must be an object of at most {MAX_METADATA} pairs", "metadata")
+        raise err(f"'metadata' must be an object of at most {MAX_METADATA} pairs", "metadata")
     for k, v in raw.items():
         if not isinstance(k, str) or len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-            raise _err("metadata keys must be strings of at most 64 characters, values strings "
+            raise err("metadata keys must be strings of at most 64 characters, values strings "
                        "of at most 512", "metadata")
-        _valid_text(k, "metadata")
-        _valid_text(v, "metadata")
+        valid_text(k, "metadata")
+        valid_text(v, "metadata")
     return dict(raw)
 
 
@@ -139,7 +109,7 @@ def _include(raw: Any) -> tuple[str, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
-        raise _err("'include' must be an array of strings", "include")
+        raise err("'include' must be an array of strings", "include")
     return tuple(raw)
 
 
@@ -149,27 +119,27 @@ def _include(raw: Any) -> tuple[str, ...]:
 def _parts_text(content: Any, param: str, *, role: str) -> str:
     """A message's content (a string or a list of text parts) as one string."""
     if isinstance(content, str):
-        return _valid_text(content, param)
+        return valid_text(content, param)
     if not isinstance(content, list):
-        raise _err("message content must be a string or an array of content parts", param)
+        raise err("message content must be a string or an array of content parts", param)
     out = []
     for i, part in enumerate(content):
         p = f"{param}[{i}]"
         if not isinstance(part, dict):
-            raise _err("content parts must be objects", p)
+            raise err("content parts must be objects", p)
         kind = part.get("type")
         key = "refusal" if kind == "refusal" and role == "assistant" else "text"
         if kind in TEXT_PARTS or key == "refusal":
             text = part.get(key)
             if not isinstance(text, str):
-                raise _err(f"a {kind} part needs a string '{key}'", f"{p}.{key}")
+                raise err(f"a {kind} part needs a string '{key}'", f"{p}.{key}")
             out.append(text)
         elif kind in MEDIA_PARTS:
             raise UnsupportedError(f"content part type '{kind}' is not supported by this model "
                                    "(text only)", param=f"{p}.type")
         else:
-            raise _err(f"unknown content part type {kind!r}", f"{p}.type")
-    return _valid_text("".join(out), param)
+            raise err(f"unknown content part type {kind!r}", f"{p}.type")
+    return valid_text("".join(out), param)
 
 
 def _item_id(item: dict[str, Any], prefix: str) -> str:
@@ -180,16 +150,16 @@ def _item_id(item: dict[str, Any], prefix: str) -> str:
 def _required_str(item: dict[str, Any], key: str, param: str) -> str:
     v = item.get(key)
     if not isinstance(v, str) or not v:
-        raise _err(f"'{key}' must be a non-empty string", f"{param}.{key}")
-    return _valid_text(v, f"{param}.{key}")
+        raise err(f"'{key}' must be a non-empty string", f"{param}.{key}")
+    return valid_text(v, f"{param}.{key}")
 
 
 def _message_item(item: dict[str, Any], p: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in INPUT_ROLES:
-        raise _err(f"a message's role must be one of {', '.join(INPUT_ROLES)}", f"{p}.role")
+        raise err(f"a message's role must be one of {', '.join(INPUT_ROLES)}", f"{p}.role")
     if "content" not in item:
-        raise _err("a message needs 'content'", f"{p}.content")
+        raise err("a message needs 'content'", f"{p}.content")
     text = _parts_text(item["content"], f"{p}.content", role=role)
     if role == "assistant":
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
@@ -209,29 +179,29 @@ def _reasoning_item(item: dict[str, Any], p: str) -> dict[str, Any]:
             else:
                 continue
         if not isinstance(raw, list):
-            raise _err(f"a reasoning item's '{key}' must be an array", f"{p}.{key}")
+            raise err(f"a reasoning item's '{key}' must be an array", f"{p}.{key}")
         parts = []
         for i, part in enumerate(raw):
             if not isinstance(part, dict) or part.get("type") != kind \
                     or not isinstance(part.get("text"), str):
-                raise _err(f"each {key} part must be {{'type': '{kind}', 'text': ...}}",
+                raise err(f"each {key} part must be {{'type': '{kind}', 'text': ...}}",
                            f"{p}.{key}[{i}]")
-            parts.append({"type": kind, "text": _valid_text(part["text"], f"{p}.{key}[{i}]")})
+            parts.append({"type": kind, "text": valid_text(part["text"], f"{p}.{key}[{i}]")})
         out[key] = parts
     return out
 
 
 def _output_text(raw: Any, p: str) -> str:
     if isinstance(raw, str):
-        return _valid_text(raw, p)
+        return valid_text(raw, p)
     if isinstance(raw, list):
         return _parts_text(raw, p, role="tool")
-    raise _err("a function call output must be a string or an array of text parts", p)
+    raise err("a function call output must be a string or an array of text parts", p)
 
 
 def _input_item(item: Any, p: str) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise _err("each input item must be an object", p)
+        raise err("each input item must be an object", p)
     kind = item.get("type")
     if kind is None and "role" in item:
         kind = "message"
@@ -240,13 +210,13 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
     if kind == "function_call":
         args = item.get("arguments")
         if not isinstance(args, str):
-            raise _err("'arguments' must be a JSON string", f"{p}.arguments")
+            raise err("'arguments' must be a JSON string", f"{p}.arguments")
         return {"id": _item_id(item, "fc"), "type": "function_call",
                 "call_id": _required_str(item, "call_id", p), "name": _required_str(item, "name", p),
-                "arguments": _valid_text(args, f"{p}.arguments"), "status": "completed"}
+                "arguments": valid_text(args, f"{p}.arguments"), "status": "completed"}
     if kind == "function_call_output":
         if "output" not in item:
-            raise _err("a function call output needs 'output'", f"{p}.output")
+            raise err("a function call output needs 'output'", f"{p}.output")
         return {"id": _item_id(item, "fco"), "type": "function_call_output",
                 "call_id": _required_str(item, "call_id", p),
                 "output": _output_text(item["output"], f"{p}.output"), "status": "completed"}
@@ -256,18 +226,18 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
         raise UnsupportedError(f"input items of type '{kind}' are not supported: afm runs "
                                "function tools only (send items themselves, not references)",
                                param=f"{p}.type")
-    raise _err(f"unknown input item type {kind!r}", f"{p}.type")
+    raise err(f"unknown input item type {kind!r}", f"{p}.type")
 
 
 def _input_items(raw: Any) -> tuple[dict[str, Any], ...]:
     if raw is None:
-        raise _err("'input' is required", "input")
+        raise err("'input' is required", "input")
     if isinstance(raw, str):
-        text = _valid_text(raw, "input")
+        text = valid_text(raw, "input")
         return ({"id": new_id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": text}], "status": "completed"},)
     if not isinstance(raw, list) or not raw:
-        raise _err("'input' must be a string or a non-empty array of input items", "input")
+        raise err("'input' must be a string or a non-empty array of input items", "input")
     return tuple(_input_item(item, f"input[{i}]") for i, item in enumerate(raw))
 
 
@@ -319,7 +289,7 @@ def to_messages(items: Iterable[dict[str, Any]], *, instructions: str | None = N
         elif kind == "function_call_output":
             flush()
             if item["call_id"] not in call_ids:
-                raise _err(f"No tool call found for function call output with call_id "
+                raise err(f"No tool call found for function call output with call_id "
                            f"{item['call_id']!r}.", f"input[{max(i - first_new, 0)}].call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
@@ -337,37 +307,37 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if raw is None:
         return [], []
     if not isinstance(raw, list):
-        raise _err("'tools' must be an array", "tools")
+        raise err("'tools' must be an array", "tools")
     echo, chat = [], []
     names: set[str] = set()
     for i, t in enumerate(raw):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
-            raise _err("each tool must be an object", p)
+            raise err("each tool must be an object", p)
         kind = t.get("type")
         if kind != "function":
             if isinstance(kind, str) and kind:
                 raise UnsupportedError(f"tool type '{kind}' is not supported: afm runs function "
                                        "tools only", param=f"{p}.type")
-            raise _err("each tool needs a 'type' ('function')", f"{p}.type")
+            raise err("each tool needs a 'type' ('function')", f"{p}.type")
         name = t.get("name")
         if not isinstance(name, str) or not 1 <= len(name) <= 256:
-            raise _err("a function tool needs a 'name' (1-256 characters)", f"{p}.name")
-        _valid_text(name, f"{p}.name")
+            raise err("a function tool needs a 'name' (1-256 characters)", f"{p}.name")
+        valid_text(name, f"{p}.name")
         if name in names:
-            raise _err(f"duplicate tool name {name!r}", f"{p}.name")
+            raise err(f"duplicate tool name {name!r}", f"{p}.name")
         names.add(name)
         params = t.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise _err("'parameters' must be a JSON schema object", f"{p}.parameters")
+            raise err("'parameters' must be a JSON schema object", f"{p}.parameters")
         desc = t.get("description")
         if desc is not None and not isinstance(desc, str):
-            raise _err("'description' must be a string", f"{p}.description")
+            raise err("'description' must be a string", f"{p}.description")
         strict = t.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _err("'strict' must be a boolean", f"{p}.strict")
+            raise err("'strict' must be a boolean", f"{p}.strict")
         echo.append({"type": "function", "name": name, "description": desc, "parameters": params,
                      "strict": bool(strict)})
         fn: dict[str, Any] = {"name": name, "parameters": params}
@@ -386,30 +356,30 @@ def _tool_choice(raw: Any, chat_tools: list[dict[str, Any]]) -> tuple[Any, Any, 
         return "auto", None, chat_tools
     if raw in ("auto", "none", "required"):
         if raw == "required" and not chat_tools:
-            raise _err("tool_choice 'required' needs tools", "tool_choice")
+            raise err("tool_choice 'required' needs tools", "tool_choice")
         return raw, raw if chat_tools else None, chat_tools
     if isinstance(raw, dict):
         kind = raw.get("type")
         if kind == "function":
             name = raw.get("name")
             if not isinstance(name, str) or name not in names:
-                raise _err(f"tool_choice names an unknown function {name!r}", "tool_choice.name")
+                raise err(f"tool_choice names an unknown function {name!r}", "tool_choice.name")
             return ({"type": "function", "name": name},
                     {"type": "function", "function": {"name": name}}, chat_tools)
         if kind == "allowed_tools":
             mode = raw.get("mode", "auto")
             if mode not in ("auto", "required"):
-                raise _err("allowed_tools 'mode' must be auto or required", "tool_choice.mode")
+                raise err("allowed_tools 'mode' must be auto or required", "tool_choice.mode")
             allowed = raw.get("tools")
             if not isinstance(allowed, list) or not allowed:
-                raise _err("allowed_tools needs a non-empty 'tools' array", "tool_choice.tools")
+                raise err("allowed_tools needs a non-empty 'tools' array", "tool_choice.tools")
             keep: list[str] = []
             for i, t in enumerate(allowed):
                 p = f"tool_choice.tools[{i}]"
                 if not isinstance(t, dict) or t.get("type") != "function":
                     raise UnsupportedError("allowed_tools may list function tools only", param=p)
                 if t.get("name") not in names:
-                    raise _err(f"allowed_tools names an unknown function {t.get('name')!r}",
+                    raise err(f"allowed_tools names an unknown function {t.get('name')!r}",
                                f"{p}.name")
                 keep.append(t["name"])
             subset = [t for t in chat_tools if t["function"]["name"] in keep]
@@ -419,7 +389,7 @@ def _tool_choice(raw: Any, chat_tools: list[dict[str, Any]]) -> tuple[Any, Any, 
         if isinstance(kind, str) and kind:
             raise UnsupportedError(f"tool_choice type '{kind}' is not supported: afm runs function "
                                    "tools only", param="tool_choice.type")
-    raise _err("'tool_choice' must be auto, none, required, a function or allowed_tools",
+    raise err("'tool_choice' must be auto, none, required, a function or allowed_tools",
                "tool_choice")
 
 
@@ -428,16 +398,16 @@ def _text(raw: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise _err("'text' must be an object", "text")
+        raise err("'text' must be an object", "text")
     verbosity = raw.get("verbosity")
     if verbosity is not None and verbosity not in ("low", "medium", "high"):
-        raise _err("'verbosity' must be low, medium or high", "text.verbosity")
+        raise err("'verbosity' must be low, medium or high", "text.verbosity")
     fmt = raw.get("format")
     echo: dict[str, Any] = {"format": {"type": "text"}, "verbosity": verbosity or "medium"}
     if fmt is None:
         return echo, None
     if not isinstance(fmt, dict):
-        raise _err("'text.format' must be an object", "text.format")
+        raise err("'text.format' must be an object", "text.format")
     kind = fmt.get("type")
     if kind == "text":
         return echo, None
@@ -447,21 +417,21 @@ def _text(raw: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if kind == "json_schema":
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
-            raise _err("a json_schema format needs a 'schema' object", "text.format.schema")
+            raise err("a json_schema format needs a 'schema' object", "text.format.schema")
         name = fmt.get("name", "response")
         if not isinstance(name, str) or not name:
-            raise _err("'name' must be a non-empty string", "text.format.name")
+            raise err("'name' must be a non-empty string", "text.format.name")
         strict = fmt.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _err("'strict' must be a boolean", "text.format.strict")
+            raise err("'strict' must be a boolean", "text.format.strict")
         desc = fmt.get("description")
         if desc is not None and not isinstance(desc, str):
-            raise _err("'description' must be a string", "text.format.description")
+            raise err("'description' must be a string", "text.format.description")
         echo["format"] = {"type": "json_schema", "name": name, "schema": schema,
                           "strict": bool(strict), "description": desc}
         return echo, {"type": "json_schema",
                       "json_schema": {"name": name, "schema": schema, "strict": bool(strict)}}
-    raise _err("text.format type must be text, json_object or json_schema", "text.format.type")
+    raise err("text.format type must be text, json_object or json_schema", "text.format.type")
 
 
 def _reasoning(raw: Any) -> tuple[dict[str, Any], str | None]:
@@ -469,15 +439,15 @@ def _reasoning(raw: Any) -> tuple[dict[str, Any], str | None]:
     if raw is None:
         return {"effort": None, "summary": None}, None
     if not isinstance(raw, dict):
-        raise _err("'reasoning' must be an object", "reasoning")
+        raise err("'reasoning' must be an object", "reasoning")
     effort = raw.get("effort")
     if effort is not None and effort not in EFFORTS:
-        raise _err(f"'effort' must be one of {', '.join(EFFORTS)}", "reasoning.effort")
+        raise err(f"'effort' must be one of {', '.join(EFFORTS)}", "reasoning.effort")
     summary = raw.get("summary")
     if summary is None:
         summary = raw.get("generate_summary")
     if summary is not None and summary not in SUMMARIES:
-        raise _err(f"'summary' must be one of {', '.join(SUMMARIES)}", "reasoning.summary")
+        raise err(f"'summary' must be one of {', '.join(SUMMARIES)}", "reasoning.summary")
     chat_effort = "high" if effort in ("xhigh", "max") else effort
     return {"effort": effort, "summary": summary}, chat_effort
 
@@ -504,21 +474,21 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     ``previous_response_id`` is OpenAI's 404 ``previous_response_not_found``.
     """
     if not isinstance(body, dict):
-        raise _err("the request body must be a JSON object", "body")
+        raise err("the request body must be a JSON object", "body")
     _unsupported(body)
-    model = _opt_str(body, "model")
-    instructions = _opt_str(body, "instructions")
+    model = optional_str(body, "model")
+    instructions = optional_str(body, "instructions")
     if instructions is not None:
-        _valid_text(instructions, "instructions")
-    stream = _flag(body, "stream", False)
-    store = _flag(body, "store", True)
+        valid_text(instructions, "instructions")
+    stream = flag(body, "stream", False)
+    store = flag(body, "store", True)
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(
             opts.get("include_obfuscation", False), bool)):
-        raise _err("'stream_options' must be an object ({'include_obfuscation': bool})",
+        raise err("'stream_options' must be an object ({'include_obfuscation': bool})",
                    "stream_options")
     metadata = _metadata(body.get("metadata"))
-    prev_id = _opt_str(body, "previous_response_id")
+    prev_id = optional_str(body, "previous_response_id")
     history: tuple[dict[str, Any], ...] = ()
     if prev_id is not None:
         found = previous(prev_id) if previous is not None else None
@@ -530,17 +500,17 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     items = _input_items(body.get("input"))
     tools_echo, chat_tools = _tools(body.get("tools"))
     choice_echo, chat_choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
-    parallel = _flag(body, "parallel_tool_calls", True)
+    parallel = flag(body, "parallel_tool_calls", True)
     text_echo, response_format = _text(body.get("text"))
     reasoning_echo, effort = _reasoning(body.get("reasoning"))
-    max_output = _count(body, "max_output_tokens", 1, MAX_INT)
-    max_tool_calls = _count(body, "max_tool_calls", 1, MAX_INT)
-    top_logprobs = _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    max_output = count(body, "max_output_tokens", 1, MAX_INT, None)
+    max_tool_calls = count(body, "max_tool_calls", 1, MAX_INT, None)
+    top_logprobs = count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None) or 0
     logprobs = LOGPROBS_INCLUDE in _include(body.get("include")) or top_logprobs > 0
     truncation = body.get("truncation")
     if truncation is not None and truncation not in ("auto", "disabled"):
-        raise _err("'truncation' must be auto or disabled", "truncation")
-    strings = {k: _opt_str(body, k) for k in ("user", "safety_identifier", "prompt_cache_key",
+        raise err("'truncation' must be auto or disabled", "truncation")
+    strings = {k: optional_str(body, k) for k in ("user", "safety_identifier", "prompt_cache_key",
                                               "service_tier")}
     messages = to_messages(history + items, instructions=instructions, first_new=len(history))
     chat_body: dict[str, Any] = {"messages": messages, "model": model, "stream": stream,
