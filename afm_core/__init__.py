@@ -12,6 +12,7 @@ _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.bl
 from ._engine.commands import PromptLogprobs as PromptLogprobs
 from ._engine.config import EngineConfig as EngineConfig
 from ._engine.engine import ChatStream as ChatStream
+from ._engine.engine import Embeddings as Embeddings
 from ._engine.engine import Engine as Engine
 from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
@@ -74,6 +75,7 @@ __all__ = [
     "ContextLengthError",
     "DecoderTables",
     "DuplicateRequestError",
+    "Embeddings",
     "Engine",
     "EngineBusyError",
     "EngineClosedError",

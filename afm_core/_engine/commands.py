@@ -4,7 +4,8 @@ The Trio side (:class:`~.engine.Engine`) and the generation thread
 (:class:`~.worker.Worker`) share nothing but the records here.  Trio sends
 one :data:`Command` per action down the thread's queue (:class:`Submit`,
 :class:`Cancel`, :class:`Drop`, :class:`Stop`, :class:`Reset`,
-:class:`Sync`); the thread answers with one :data:`Outputs` per engine step.
+:class:`Sync`, :class:`Embed`); the thread answers with one :data:`Outputs`
+per engine step.
 A :class:`Job` is built off both threads (:mod:`.prepare`), travels in a
 :class:`Submit` and belongs to the generation thread from then on.  The Trio
 side follows each request with a :class:`RequestRecord` whose
@@ -39,6 +40,7 @@ never looks anything up by it.)
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, NewType, TypeAlias
@@ -64,6 +66,7 @@ __all__ = [
     "Command",
     "Delivery",
     "Drop",
+    "Embed",
     "Job",
     "JobKey",
     "MlxUid",
@@ -192,7 +195,21 @@ class Sync:
     done: Callable[[], None]
 
 
-Command: TypeAlias = Submit | Cancel | Drop | Stop | Reset | Sync
+@dataclass(frozen=True, slots=True)
+class Embed:
+    """Pool the model's final hidden states over each of ``token_lists``
+    (``pooling``: ``mean``, ``last`` or ``cls``), between two steps, then call
+    ``done`` (on the generation thread) with the L2-normalized vectors, or
+    with the exception that stopped them.  Skipped, ``done`` not called, when
+    ``abandoned`` is set before the thread reaches it (the caller left)."""
+
+    token_lists: tuple[tuple[int, ...], ...]
+    pooling: str
+    done: Callable[[list[list[float]] | BaseException], None]
+    abandoned: threading.Event
+
+
+Command: TypeAlias = Submit | Cancel | Drop | Stop | Reset | Sync | Embed
 
 
 # -- outputs: generation thread -> Trio ----------------------------------------

@@ -89,7 +89,17 @@ class EngineConfig:
     Faster decode steps for results equal to mlx's layers up to float
     rounding, and a compiled trace per batch width; False runs mlx-lm's
     layers unchanged."""
+    embedding_pooling: str = "mean"
+    """How :meth:`Engine.embed` (``POST /v1/embeddings``) pools the model's
+    final hidden states (after the final norm, before the LM head) into one
+    vector per input, L2-normalized, as llama.cpp's server does: ``mean``
+    (the average over the input's tokens), ``last`` (the last token's state:
+    the pooling of decoder-only embedding models such as Qwen3-Embedding) or
+    ``cls`` (the first token's).  Which one fits depends on how the model
+    was trained; a chat model gives usable but not tuned embeddings with any."""
 
     def __post_init__(self) -> None:
+        if self.embedding_pooling not in ("mean", "last", "cls"):
+            raise ValueError("embedding_pooling must be 'mean', 'last' or 'cls'")
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")

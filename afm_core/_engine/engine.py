@@ -7,6 +7,7 @@
         engine.cancel(request_id)
         engine.statistics()
         ids = await engine.tokenize("text"); text = await engine.detokenize(ids)
+        result = await engine.embed(["text", [1, 2, 3]])   # L2-normalized vectors
 
 ``request`` is a :class:`ChatRequest` (messages through the chat template)
 or a :class:`CompletionRequest` (a raw prompt, continued as is; its events are
@@ -27,7 +28,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,12 +45,14 @@ from .._errors import (
     ModelLoadError,
     RequestError,
     StreamErrorChunk,
+    UnsupportedError,
 )
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, StreamFailure, Usage
 from .._stream.request import ChatRequest, CompletionRequest
 from .commands import (
+    Embed,
     Job,
     JobKey,
     Outputs,
@@ -95,6 +98,22 @@ class EngineStatistics:
     blas: str = ""
     """The BLAS computing MLX's CPU products (``openblas``, ``reference``,
     ``accelerate``; see ``afm_core._mlx.blas``), once the engine has started."""
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """What :meth:`Engine.embed` returns: one L2-normalized vector per input
+    (in the inputs' order) and each input's token count."""
+
+    vectors: list[list[float]]
+    token_counts: tuple[int, ...]
+    pooling: str
+    """The pooling used: ``mean``, ``last`` or ``cls``."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every input together (the usage's ``prompt_tokens``)."""
+        return sum(self.token_counts)
 
 
 class ChatStream:
@@ -189,6 +208,7 @@ class Engine:
         self.info: ModelInfo | None = None
         self._tokenizer: TokenizerWrapper | None = None
         self._detok_tables: DecoderTables | None = None
+        self._embed_waits: set[trio.Event] = set()  # embed() calls waiting for the thread
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -315,6 +335,8 @@ class Engine:
                 await trio.to_thread.run_sync(thread.join)
             for record in list(self._inflight.values()):
                 record.mailbox.close()
+            for waiting in list(self._embed_waits):
+                waiting.set()  # embed() finds no result: EngineClosedError
 
     # -- requests ----------------------------------------------------------------
 
@@ -476,6 +498,88 @@ class Engine:
 
         return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
 
+    async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                    pooling: str | None = None) -> Embeddings:
+        """One embedding per input: the model's final hidden states (after the
+        final norm, before the LM head) pooled over the input's tokens and
+        L2-normalized (see :attr:`EngineConfig.embedding_pooling`; ``pooling``
+        overrides it for this call: ``mean``, ``last`` or ``cls``).
+
+        ``inputs`` is a text, a list of token ids, or a list of texts and
+        token-id lists.  Texts are tokenized as the tokenizer does by default
+        (with what it adds around a text, such as a BOS).  The work runs on
+        the generation thread between two decode steps, so running streams
+        pause for it.  Raises :class:`RequestError` for an empty input or an
+        id outside the vocabulary, :class:`ContextLengthError` for an input
+        longer than the context, :class:`UnsupportedError` for a model without
+        a transformer body (the echo test model).  Cancelling the caller is
+        safe: work the thread has not started is skipped.
+        """
+        from .._mlx.embeddings import POOLINGS, NoHiddenStates
+
+        worker = self._worker
+        if self._closed or worker is None or self._tokenizer is None:
+            raise EngineClosedError("the engine is not running")
+        if worker.fatal is not None:
+            raise EngineClosedError(f"the generation thread failed: {worker.fatal}")
+        pooling = pooling or self.config.embedding_pooling
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
+        items = _embedding_items(inputs)
+        tokenizer, info = self._tokenizer, self._info()
+        limit = min(info.vocab_size, len(tokenizer))
+
+        def tokenize() -> list[tuple[int, ...]]:
+            out = []
+            for n, item in enumerate(items):
+                param = "input" if len(items) == 1 else f"input[{n}]"
+                if isinstance(item, str):
+                    ids = tuple(tokenizer.encode(item))
+                else:
+                    for i in item:
+                        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < limit:
+                            raise RequestError(f"token id {i!r} is not in the model's vocabulary "
+                                               f"(0-{limit - 1})", param=param)
+                    ids = tuple(item)
+                if not ids:
+                    raise RequestError("an input must not be empty", param=param)
+                if len(ids) > info.context_length:
+                    raise ContextLengthError(
+                        f"input has {len(ids)} tokens, more than the model's context length "
+                        f"({info.context_length})", param=param)
+                out.append(ids)
+            return out
+
+        token_lists = await trio.to_thread.run_sync(tokenize, limiter=self._limiter, abandon_on_cancel=True)
+        trio_token = trio.lowlevel.current_trio_token()
+        arrived = trio.Event()
+        box: list[list[list[float]] | BaseException] = []
+
+        def done(result: list[list[float]] | BaseException) -> None:  # on the generation thread
+            box.append(result)
+            try:
+                trio_token.run_sync_soon(arrived.set)
+            except trio.RunFinishedError:
+                pass
+
+        abandoned = threading.Event()
+        self._embed_waits.add(arrived)
+        try:
+            worker.embed(Embed(tuple(token_lists), pooling, done, abandoned))
+            await arrived.wait()
+        finally:
+            abandoned.set()
+            self._embed_waits.discard(arrived)
+        if not box:
+            raise EngineClosedError("the engine stopped before the embeddings were computed")
+        result = box[0]
+        if isinstance(result, NoHiddenStates):
+            raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
+        if isinstance(result, BaseException):
+            raise GenerationError(f"computing the embeddings failed: {result}",
+                                  code="embedding_failed") from result
+        return Embeddings(result, tuple(len(t) for t in token_lists), pooling)
+
     def _running_tokenizer(self) -> TokenizerWrapper:
         if self._closed or self._tokenizer is None:
             raise EngineClosedError("the engine is not running")
@@ -603,6 +707,29 @@ def _as_request(request: object) -> ChatRequest | CompletionRequest:
                     f"not {type(request).__name__}")
 
 
+def _embedding_items(inputs: object) -> list[str | list[int]]:
+    """``Engine.embed``'s ``inputs`` as a list of texts and token-id lists."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
+        raise RequestError("input must be a string, a list of strings, a list of token ids "
+                           "or a list of token-id lists", param="input")
+    if not inputs:
+        raise RequestError("input must not be empty", param="input")
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in inputs):
+        return [list(inputs)]
+    items: list[str | list[int]] = []
+    for n, item in enumerate(inputs):
+        if isinstance(item, str):
+            items.append(item)
+        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray):
+            items.append(list(item))
+        else:
+            raise RequestError("each input must be a string or a list of token ids",
+                               param=f"input[{n}]")
+    return items
+
+
 @asynccontextmanager
 async def open_engine(model: str | Path | None = None, *, config: EngineConfig | None = None,
                       **overrides: Any) -> AsyncIterator[Engine]:
@@ -616,5 +743,5 @@ async def open_engine(model: str | Path | None = None, *, config: EngineConfig |
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["ChatStream", "ContextLengthError", "Engine", "EngineConfig", "EngineStatistics",
-           "Profile", "open_engine"]
+__all__ = ["ChatStream", "ContextLengthError", "Embeddings", "Engine", "EngineConfig",
+           "EngineStatistics", "Profile", "open_engine"]

@@ -37,6 +37,7 @@ from .commands import (
     Command,
     Delivery,
     Drop,
+    Embed,
     Job,
     JobKey,
     MlxUid,
@@ -138,6 +139,10 @@ class Worker:
         follows every command sent so far (see :class:`.commands.Sync`)."""
         self.commands.put(Sync(done))
 
+    def embed(self, cmd: Embed) -> None:
+        """Compute embeddings between two steps (see :class:`.commands.Embed`)."""
+        self.commands.put(cmd)
+
     # -- the thread ----------------------------------------------------------
 
     def setup(self) -> None:
@@ -231,6 +236,8 @@ class Worker:
                 done()
             case Sync(done):
                 self.synced.append(done)
+            case Embed():
+                self._embed(cmd)
             case Cancel(key) | Drop(key):
                 held = self.by_key.get(key)
                 if held is None:
@@ -240,6 +247,19 @@ class Worker:
                     outputs[held.key] = Delivery(tuple(self._end(held, "cancelled")), True)
             case Stop():  # the loop handles it before calling here
                 raise AssertionError("Stop reaches _command")
+
+    def _embed(self, cmd: Embed) -> None:
+        from .._mlx.embeddings import embed
+
+        if cmd.abandoned.is_set():
+            return
+        result: list[list[float]] | BaseException
+        try:
+            with self.mx.stream(self.stream):
+                result = embed(self.model, cmd.token_lists, cmd.pooling)
+        except Exception as exc:  # noqa: BLE001 - the caller's error, not the thread's
+            result = exc
+        cmd.done(result)
 
     def _admit(self, job: Job, outputs: Outputs) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
