@@ -40,6 +40,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds >= 0")
+    return value
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -67,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-ttl", type=_positive_seconds, default=3600.0,
                         metavar="SECONDS",
                         help="how long a stored Responses API response is kept (default: 3600)")
+    parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=10.0,
+                        metavar="S",
+                        help="a streaming response silent this long (queued or prefilling) gets "
+                             "an SSE comment ': keepalive' (Anthropic's route: a ping event); "
+                             "0: none (default: 10)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-batch", type=_int_at_least(1), default=32,
                         help="streams decoded together (default: 32)")
@@ -115,7 +130,8 @@ async def _main(args: argparse.Namespace) -> None:
     server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                           max_body_bytes=args.max_body_bytes,
                           responses_store_size=args.responses_store_size,
-                          responses_store_ttl=args.responses_store_ttl)
+                          responses_store_ttl=args.responses_store_ttl,
+                          keepalive_seconds=args.keepalive_seconds)
     stop = trio.Event()
 
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,

@@ -43,6 +43,9 @@ class ServerConfig:
     (the oldest is evicted past it; 0 keeps none)."""
     responses_store_ttl: float = DEFAULT_MAX_AGE
     """Seconds a stored Response is kept (counted from when it finished)."""
+    keepalive_seconds: float = 10.0
+    """A streaming response silent this long (queued, or in a long prefill) gets an
+    SSE comment ``: keepalive`` (Anthropic's route: a ``ping`` event); 0 sends none."""
 
 
 @dataclass(eq=False, slots=True)

@@ -6,20 +6,55 @@ A route opens ``engine.stream(...)`` inside an :class:`AsyncExitStack` from
 even if the response body never runs (:func:`close_when_done`).  A body
 generator closes it itself, shielded, with :func:`aclose_shielded`, which
 leaves the engine stream: an unfinished request is dropped at the next step.
+
+While a streaming request waits (queued behind a full batch, or in a long
+prefill) its body reads the engine stream with :func:`keepalive_batches` (or
+:func:`next_batches` for several streams), which gives :data:`KEEPALIVE`
+whenever ``ServerConfig.keepalive_seconds`` pass without an engine batch: the
+OpenAI routes write :data:`KEEPALIVE_FRAME`, an SSE comment every SSE client
+ignores, and Anthropic's writes a ``ping`` event.  The reads are cancel-safe
+(:meth:`ChatStream.next_batch` takes nothing when cancelled), so a keepalive
+never loses an event, and none follows the stream's last batch (the stream
+ends without waiting).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AsyncExitStack
+from typing import Any, final
 
 import trio
+
+from afm_core import ChatStream
 
 from ._asgi import close_when_done
 from ._state import AppState
 
-__all__ = ["STREAM_HEADERS", "aclose_shielded", "held_stack"]
+__all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Keepalive", "aclose_shielded",
+           "held_stack", "keepalive_batches", "next_batches"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+KEEPALIVE_FRAME = b": keepalive\n\n"
+"""The SSE comment the OpenAI routes write while the engine is silent."""
+
+Batch = tuple[Any, ...] | None
+"""One :meth:`ChatStream.next_batch` result: the events of an engine step, None at the end."""
+
+
+@final
+class Keepalive:
+    """The type of :data:`KEEPALIVE`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "KEEPALIVE"
+
+
+KEEPALIVE = Keepalive()
+"""Nothing arrived for the keepalive interval: write a keepalive (or a ``ping``)."""
 
 
 def held_stack(state: AppState, request_id: str) -> AsyncExitStack:
@@ -34,3 +69,47 @@ async def aclose_shielded(stack: AsyncExitStack) -> None:
     """Close ``stack`` even inside a cancelled scope (a disconnected client)."""
     with trio.CancelScope(shield=True):
         await stack.aclose()
+
+
+async def next_batches(streams: Sequence[ChatStream], live: Collection[int],
+                       keepalive: float = 0) -> list[tuple[int, Batch]] | Keepalive:
+    """The next batch of at least one of the ``live`` streams (of every one that
+    has one now), or :data:`KEEPALIVE` once ``keepalive`` seconds passed without
+    any (0: wait as long as it takes).  One waiter per stream; the first to get a
+    batch ends the wait, and a cancelled waiter took nothing (``next_batch`` is
+    cancel-safe), so the keepalive deadline, being the waiters' own scope's,
+    never loses a batch."""
+    if len(live) == 1:
+        (i,) = live
+        if keepalive <= 0:
+            return [(i, await streams[i].next_batch())]
+        with trio.move_on_after(keepalive):
+            return [(i, await streams[i].next_batch())]
+        return KEEPALIVE
+    got: list[tuple[int, Batch]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(i: int) -> None:
+            got.append((i, await streams[i].next_batch()))
+            nursery.cancel_scope.cancel()
+
+        for i in sorted(live):
+            nursery.start_soon(wait, i)
+        if keepalive > 0:
+            nursery.cancel_scope.deadline = trio.current_time() + keepalive
+    return got or KEEPALIVE
+
+
+async def keepalive_batches(stream: ChatStream,
+                            keepalive: float = 0) -> AsyncIterator[tuple[Any, ...] | Keepalive]:
+    """``stream.batches()``, with :data:`KEEPALIVE` each time ``keepalive`` seconds
+    (0: never) passed without a batch; ends after the stream's last batch."""
+    while True:
+        got = await next_batches((stream,), (0,), keepalive)
+        if isinstance(got, Keepalive):
+            yield got
+            continue
+        batch = got[0][1]
+        if batch is None:
+            return
+        yield batch
