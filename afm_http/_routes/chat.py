@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: OpenAI Chat Completions, streamed or not.
 
 The route turns JSON into a :class:`~afm_core.ChatRequest` and writes the SSE
-encoder's bytes, one write per engine step.  No stream logic lives here: the
+encoder's bytes, one write per engine step (and the SSE comment
+``: keepalive`` while the engine is silent: ``ServerConfig.keepalive_seconds``).  No stream logic lives here: the
 engine emits the events, the encoder frames them, the engine's ``collect()``
 builds the non-streaming response.
 
@@ -24,7 +25,14 @@ from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import current_state
-from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
+from .._streaming import (
+    KEEPALIVE_FRAME,
+    STREAM_HEADERS,
+    Keepalive,
+    aclose_shielded,
+    held_stack,
+    keepalive_batches,
+)
 
 __all__ = ["register"]
 
@@ -51,7 +59,8 @@ async def chat_completions() -> Response:
         async with stack:
             result = await stream.collect()
         return json_response(result, headers=headers)
-    body = _sse_body(stream, stack, include_usage=chat.include_usage, request_id=rid)
+    body = _sse_body(stream, stack, include_usage=chat.include_usage, request_id=rid,
+                     keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
 
@@ -67,13 +76,17 @@ def _profile_mode(value: str | None) -> str | None:
 
 
 async def _sse_body(stream: ChatStream, stack: AsyncExitStack, *, include_usage: bool,
-                    request_id: str) -> AsyncIterator[bytes]:
-    """The SSE body: one write per engine step, then ``[DONE]``; leaves the stream at the end."""
+                    request_id: str, keepalive: float) -> AsyncIterator[bytes]:
+    """The SSE body: one write per engine step (a keepalive comment after
+    ``keepalive`` silent seconds), then ``[DONE]``; leaves the stream at the end."""
     encoder = SSEEncoder(stream.id, stream.created, stream.model)
     try:
         ended = False
         try:
-            async for batch in stream.batches():
+            async for batch in keepalive_batches(stream, keepalive):
+                if isinstance(batch, Keepalive):
+                    yield KEEPALIVE_FRAME
+                    continue
                 if not include_usage:
                     batch = tuple(e for e in batch if type(e) is not Usage)
                 ended = ended or any(type(e) in (Finish, StreamFailure) for e in batch)

@@ -7,7 +7,9 @@ id (the first stream's id, the others ``<id>/<i>`` in its group), so the
 chat cancel route, ``POST /v1/chat/completions/{id}/cancel``, ends every
 choice with ``finish_reason: "cancelled"``.  The translation's writer turns
 the streams' events into ``text_completion`` chunks: one write per engine
-step, then ``data: [DONE]``; the non-streaming answer folds the same chunks.
+step (the SSE comment ``: keepalive`` while the engine is silent,
+``ServerConfig.keepalive_seconds``), then ``data: [DONE]``; the non-streaming
+answer folds the same chunks.
 
 Before headers are sent every failure is an HTTP status with the OpenAI
 error envelope; after a stream began, a failure is an error chunk followed
@@ -39,13 +41,19 @@ from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import current_state
-from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
+from .._streaming import (
+    KEEPALIVE_FRAME,
+    STREAM_HEADERS,
+    Batch,
+    Keepalive,
+    aclose_shielded,
+    held_stack,
+    next_batches,
+)
 
 __all__ = ["register"]
 
 log = logging.getLogger("afm.http")
-
-Batch = tuple[Any, ...] | None  # a ChatStream batch of events, None at its end
 
 
 def register(app: AFMQuart) -> None:
@@ -83,7 +91,8 @@ async def text_completions() -> Response:
             return json_response(api.collect(chunks))
         except StreamErrorChunk as exc:
             raise _as_error(exc) from None
-    body = _sse_body(streams, writer, stack, request_id=rid)
+    body = _sse_body(streams, writer, stack, request_id=rid,
+                     keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream", headers=STREAM_HEADERS)
 
 
@@ -138,32 +147,19 @@ async def _gather(streams: Sequence[ChatStream], writer: api.CompletionWriter) -
     return chunks
 
 
-async def _next_batches(streams: Sequence[ChatStream], live: set[int]) -> list[tuple[int, Batch]]:
-    """The next batch of at least one of the ``live`` streams (of every one
-    that has one now): one waiter per stream, the first to get one ends the
-    wait (``ChatStream.next_batch`` takes nothing when cancelled)."""
-    if len(live) == 1:
-        (i,) = live
-        return [(i, await streams[i].next_batch())]
-    got: list[tuple[int, Batch]] = []
-    async with trio.open_nursery() as nursery:
-
-        async def wait(i: int) -> None:
-            got.append((i, await streams[i].next_batch()))
-            nursery.cancel_scope.cancel()
-
-        for i in sorted(live):
-            nursery.start_soon(wait, i)
-    return got
-
-
-async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter) -> AsyncIterator[list[dict[str, Any]]]:
+async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter,
+                 keepalive: float) -> AsyncIterator[list[dict[str, Any]] | Keepalive]:
     """The chunks of each engine step, every choice's, until all ended or one
-    failed (the streaming answer: one write each)."""
+    failed (the streaming answer: one write each), or KEEPALIVE after
+    ``keepalive`` seconds without any."""
     live = set(range(len(streams)))
     while live and writer.error is None:
+        got = await next_batches(streams, live, keepalive)
+        if isinstance(got, Keepalive):
+            yield got
+            continue
         out: list[dict[str, Any]] = []
-        for i, batch in await _next_batches(streams, live):
+        for i, batch in got:
             out += _feed(writer, streams[i], i, batch)
             if batch is None or writer.ended(i):
                 live.discard(i)
@@ -172,12 +168,13 @@ async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter) ->
 
 
 async def _sse_body(streams: Sequence[ChatStream], writer: api.CompletionWriter, stack: AsyncExitStack,
-                    *, request_id: str) -> AsyncIterator[bytes]:
-    """The SSE body: one write per engine step, then ``[DONE]``; leaves the streams at the end."""
+                    *, request_id: str, keepalive: float) -> AsyncIterator[bytes]:
+    """The SSE body: one write per engine step (a keepalive comment after
+    ``keepalive`` silent seconds), then ``[DONE]``; leaves the streams at the end."""
     try:
         try:
-            async for chunks in _steps(streams, writer):
-                yield api.encode(chunks)
+            async for chunks in _steps(streams, writer, keepalive):
+                yield KEEPALIVE_FRAME if isinstance(chunks, Keepalive) else api.encode(chunks)
         except Exception as exc:  # headers are sent: report in-band
             log.exception("completion %s failed", request_id)
             yield api.encode(writer.fail(StreamFailure(f"stream failed: {exc}", code="internal_error")))

@@ -6,7 +6,7 @@ events; this module holds the stream as the chat route does (in-flight
 registry, one write per engine step, ``close_when_done``) and writes
 ``event: NAME`` / ``data: {...}`` frames: ``message_start`` and a ``ping``
 first, a ``ping`` whenever the engine has been silent for
-:data:`PING_SECONDS` (a long prefill), then the blocks, ``message_delta``
+``ServerConfig.keepalive_seconds`` (queued, or a long prefill; 0: none), then the blocks, ``message_delta``
 and ``message_stop``.  A matched stop sequence cancels the engine request
 (the translation matches them; see its docstring).
 
@@ -26,7 +26,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import trio
 from quart import Response
 
 from afm_core import ChatRequest, ChatStream, ContextLengthError, Engine
@@ -36,14 +35,21 @@ from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import current_state
-from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
+from .._streaming import (
+    STREAM_HEADERS,
+    Keepalive,
+    aclose_shielded,
+    held_stack,
+    keepalive_batches,
+)
 
 __all__ = ["PING_SECONDS", "register"]
 
 log = logging.getLogger("afm.http")
 
-PING_SECONDS = 10.0
-"""A ``ping`` event goes out when no engine step arrived for this long."""
+PING_SECONDS: float | None = None
+"""When set, the ping interval instead of ``ServerConfig.keepalive_seconds``
+(kept for the tests that set it)."""
 
 
 def register(app: AFMQuart) -> None:
@@ -69,7 +75,8 @@ async def create_message() -> Response:
                 _stop_if_asked(engine, writer, rid)
             writer.close()
         return json_response(writer.message(), headers=headers)
-    body = _sse_body(engine, stream, stack, writer, rid)
+    body = _sse_body(engine, stream, stack, writer, rid,
+                     PING_SECONDS if PING_SECONDS is not None else state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
 
@@ -102,23 +109,18 @@ def _stop_if_asked(engine: Engine, writer: anthropic.MessageStream, rid: str) ->
 
 
 async def _sse_body(engine: Engine, stream: ChatStream, stack: AsyncExitStack,
-                    writer: anthropic.MessageStream, rid: str) -> AsyncIterator[bytes]:
-    """The SSE body: one write per engine step; leaves the stream at the end."""
+                    writer: anthropic.MessageStream, rid: str,
+                    ping_seconds: float) -> AsyncIterator[bytes]:
+    """The SSE body: one write per engine step (a ``ping`` after ``ping_seconds``
+    silent seconds); leaves the stream at the end."""
     try:
         yield writer.encode(writer.start())
         try:
-            batches = stream.batches()
-            while True:
-                with trio.move_on_after(PING_SECONDS) as waited:
-                    batch = await anext(batches, None)
-                if waited.cancelled_caught:
-                    # the wait was cancelled inside the generator, which ended; the stream's
-                    # events are intact (taking is cancel-safe): read on with a new one
-                    batches = stream.batches()
+            # ends after the finish (or failure), or when the engine closed the stream
+            async for batch in keepalive_batches(stream, ping_seconds):
+                if isinstance(batch, Keepalive):
                     yield writer.encode([writer.ping()])
                     continue
-                if batch is None:  # after the finish (or failure), or the engine closed
-                    break
                 events = writer.feed_many(batch)
                 _stop_if_asked(engine, writer, rid)
                 if events:

@@ -8,7 +8,8 @@ its chat request on the engine under the HTTP request id (the client's
 ``POST /v1/chat/completions/{request_id}/cancel`` ends it too.  The
 translation's :class:`~afm_core.api.responses.ResponseWriter` turns the
 events into Responses events: one write per engine step (``event: TYPE`` /
-``data: {...}`` frames, no ``[DONE]``), or, without ``stream``, the final
+``data: {...}`` frames, no ``[DONE]``; the SSE comment ``: keepalive`` while
+the engine is silent, ``ServerConfig.keepalive_seconds``), or, without ``stream``, the final
 Response object.  When the finish arrives, a response with reasoning has its
 reasoning text re-tokenized for ``usage.output_tokens_details.
 reasoning_tokens``.
@@ -58,7 +59,14 @@ from .._asgi import AFMQuart
 from .._json import json_response
 from .._request import read_json, request_id
 from .._state import AppState, LiveResponse, current_state
-from .._streaming import STREAM_HEADERS, aclose_shielded, held_stack
+from .._streaming import (
+    KEEPALIVE_FRAME,
+    STREAM_HEADERS,
+    Keepalive,
+    aclose_shielded,
+    held_stack,
+    keepalive_batches,
+)
 
 __all__ = ["register"]
 
@@ -103,7 +111,8 @@ async def responses_create() -> Response:
             error = writer.error or {}
             raise GenerationError(str(error.get("message") or "generation failed"))
         return json_response(writer.response, headers=headers)
-    body = _sse_body(state.engine, stream, writer, stack, request_id=rid)
+    body = _sse_body(state.engine, stream, writer, stack, request_id=rid,
+                     keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
 
@@ -149,13 +158,17 @@ async def _count_tokens(engine: Engine, text: str) -> int | None:
 
 
 async def _sse_body(engine: Engine, stream: ChatStream, writer: api.ResponseWriter,
-                    stack: AsyncExitStack, *, request_id: str) -> AsyncIterator[bytes]:
-    """The SSE body: created/in_progress, one write per engine step, the terminal
-    event; leaves the stream (and settles the response) at the end."""
+                    stack: AsyncExitStack, *, request_id: str,
+                    keepalive: float) -> AsyncIterator[bytes]:
+    """The SSE body: created/in_progress, one write per engine step (a keepalive
+    comment after ``keepalive`` silent seconds), the terminal event; leaves the stream (and settles the response) at the end."""
     try:
         yield api.encode(writer.start())
         try:
-            async for batch in stream.batches():
+            async for batch in keepalive_batches(stream, keepalive):
+                if isinstance(batch, Keepalive):
+                    yield KEEPALIVE_FRAME
+                    continue
                 out = await _feed(engine, writer, batch)
                 if out:
                     yield api.encode(out)
