@@ -1,0 +1,104 @@
+"""POST /v1/embeddings end to end: a real hypercorn on 127.0.0.1 and the openai SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import trio
+
+from afm_http.testing import running_server
+from tests.http.helpers import body, sse, text_of
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_openai_sdk_embeddings(random_model_dir: Path) -> None:
+    async with running_server(random_model_dir, warmup=False) as (url, engine):
+        c = client(url)
+        one = await c.embeddings.create(model="m", input="The quick brown fox", encoding_format="float")
+        assert one.object == "list" and one.model == "m" and len(one.data) == 1
+        vec = one.data[0].embedding
+        assert one.data[0].index == 0 and len(vec) == 64
+        assert np.linalg.norm(vec) == pytest.approx(1.0, abs=1e-5)
+        ids = await engine.tokenize("The quick brown fox", add_special_tokens=True)
+        assert one.usage.prompt_tokens == one.usage.total_tokens == len(ids)
+
+        many = await c.embeddings.create(model="m", input=["jumps", "The quick brown fox"],
+                                         encoding_format="float")
+        assert [d.index for d in many.data] == [0, 1]
+        np.testing.assert_allclose(many.data[1].embedding, vec, atol=1e-5)  # the same text in a batch
+
+        by_ids = await c.embeddings.create(model="m", input=ids, encoding_format="float")
+        np.testing.assert_allclose(by_ids.data[0].embedding, vec, atol=1e-6)
+        lists = await c.embeddings.create(model="m", input=[ids, [5, 6, 7]], encoding_format="float")
+        np.testing.assert_allclose(lists.data[0].embedding, vec, atol=1e-5)
+        assert lists.usage.prompt_tokens == len(ids) + 3
+
+        # the SDK's default asks for base64 and decodes it
+        b64 = await c.embeddings.create(model="m", input="The quick brown fox")
+        np.testing.assert_allclose(b64.data[0].embedding, vec, atol=1e-6)
+
+        short = await c.embeddings.create(model="m", input="The quick brown fox", dimensions=16,
+                                          encoding_format="float")
+        assert len(short.data[0].embedding) == 16
+        assert np.linalg.norm(short.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+        await c.close()
+
+
+async def test_bad_input_is_a_400(random_model_dir: Path, echo_model_dir: Path) -> None:
+    async with running_server(random_model_dir, warmup=False) as (url, engine):
+        c = client(url)
+        for kwargs in ({"input": ""}, {"input": []}, {"input": [[]]}, {"input": [1.5]},
+                       {"input": [[5] * (engine.context_length + 1)]}, {"input": [10**9]},
+                       {"input": "x", "dimensions": 65}, {"input": "x", "encoding_format": "int8"}):
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.embeddings.create(model="m", **kwargs)  # type: ignore[arg-type]
+            assert info.value.status_code == 400
+            assert isinstance(info.value.body, dict) and info.value.body.get("message")
+        with pytest.raises(openai.BadRequestError, match=r"hidden size \(64\)"):
+            await c.embeddings.create(model="m", input="x", dimensions=65)
+        await c.close()
+        async with httpx.AsyncClient(base_url=url) as h:
+            for raw in (b"[1, 2]", b"not json", b'{"input": {"a": 1}}'):
+                r = await h.post("/v1/embeddings", content=raw,
+                                 headers={"content-type": "application/json"})
+                assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    async with running_server(echo_model_dir, warmup=False) as (url, _):
+        c = client(url)
+        with pytest.raises(openai.BadRequestError, match="cannot compute embeddings"):
+            await c.embeddings.create(model="m", input="echo")
+        await c.close()
+
+
+async def test_embeddings_do_not_disturb_a_running_stream(random_model_dir: Path) -> None:
+    payload = body("Tell me a story", stream=True, max_tokens=48, temperature=0)
+    async with running_server(random_model_dir, prefix_cache_bytes=0, warmup=False) as (url, engine), \
+            httpx.AsyncClient(base_url=url, timeout=60) as h:
+        _, events, _ = await sse(h, payload)
+        alone = text_of(events)
+        assert alone
+        c = client(url)
+        results: list[int] = []
+        streamed = trio.Event()
+
+        async def embeds() -> None:
+            # wait until the stream is decoding (or over: never hang), then embed between its steps
+            while engine.statistics().running == 0 and not streamed.is_set():
+                await trio.sleep(0.001)
+            for n in range(3):
+                r = await c.embeddings.create(model="m", input=[f"text {n}"] * 4, encoding_format="float")
+                results.append(len(r.data))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(embeds)
+            _, events, _ = await sse(h, payload)
+            streamed.set()
+        assert text_of(events) == alone
+        assert results == [4, 4, 4]
+        await c.close()
