@@ -8,7 +8,9 @@ ask: ``PromptScores``), the prefix-cache index over mlx-lm's ``PromptTrie``
 (:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
 (:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
 (:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
-Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`).
+Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`),
+and embeddings pooled from the model body's final hidden states
+(:mod:`.embeddings`, which calls mlx-lm's ``model.model``).
 
 **The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
 ``mlx==0.32.4`` exactly, because the modules here subclass or read private

@@ -1,7 +1,7 @@
 """Wire APIs as sans-IO translations, public for host code.
 
 Each module translates one API (Anthropic Messages, OpenAI Responses, the
-legacy Completions) to the engine and back: its request JSON into the
+legacy Completions, Embeddings) to the engine and back: its request JSON into the
 engine's request (validated, with that API's own errors), and the engine's
 events into that API's objects and SSE frames.  They share the engine, the
 stream core, the tool-call tracker, structured output and the SSE encoder;
