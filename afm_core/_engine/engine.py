@@ -509,7 +509,8 @@ class Engine:
         token-id lists.  Texts are tokenized as the tokenizer does by default
         (with what it adds around a text, such as a BOS).  The work runs on
         the generation thread between two decode steps, so running streams
-        pause for it.  Raises :class:`RequestError` for an empty input or an
+        pause for it; inputs are sent in parts of about ``prefill_step``
+        tokens, with decode steps between the parts.  Raises :class:`RequestError` for an empty input or an
         id outside the vocabulary, :class:`ContextLengthError` for an input
         longer than the context, :class:`UnsupportedError` for a model without
         a transformer body (the echo test model).  Cancelling the caller is
@@ -551,6 +552,23 @@ class Engine:
             return out
 
         token_lists = await trio.to_thread.run_sync(tokenize, limiter=self._limiter, abandon_on_cancel=True)
+        vectors: list[list[float]] = []
+        for chunk in _chunks(token_lists, self.config.prefill_step):
+            result = await self._embed_on_thread(worker, chunk, pooling)
+            if isinstance(result, NoHiddenStates):
+                raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
+            if isinstance(result, BaseException):
+                raise GenerationError(f"computing the embeddings failed: {result}",
+                                      code="embedding_failed") from result
+            vectors.extend(result)
+        return Embeddings(vectors, tuple(len(t) for t in token_lists), pooling)
+
+    async def _embed_on_thread(self, worker: Worker, token_lists: list[tuple[int, ...]],
+                               pooling: str) -> list[list[float]] | BaseException:
+        """One :class:`Embed` command's answer; cancellable (the thread skips
+        the command if it has not started it)."""
+        if self._closed or worker.fatal is not None:
+            raise EngineClosedError("the engine stopped before the embeddings were computed")
         trio_token = trio.lowlevel.current_trio_token()
         arrived = trio.Event()
         box: list[list[list[float]] | BaseException] = []
@@ -572,13 +590,7 @@ class Engine:
             self._embed_waits.discard(arrived)
         if not box:
             raise EngineClosedError("the engine stopped before the embeddings were computed")
-        result = box[0]
-        if isinstance(result, NoHiddenStates):
-            raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
-        if isinstance(result, BaseException):
-            raise GenerationError(f"computing the embeddings failed: {result}",
-                                  code="embedding_failed") from result
-        return Embeddings(result, tuple(len(t) for t in token_lists), pooling)
+        return box[0]
 
     def _running_tokenizer(self) -> TokenizerWrapper:
         if self._closed or self._tokenizer is None:
@@ -705,6 +717,20 @@ def _as_request(request: object) -> ChatRequest | CompletionRequest:
         return ChatRequest.from_openai(request)
     raise TypeError("request must be a ChatRequest or an OpenAI-style dict (or a CompletionRequest), "
                     f"not {type(request).__name__}")
+
+
+def _chunks(token_lists: list[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:
+    """``token_lists`` in order, cut into runs of at most ``budget`` tokens
+    (an input longer than that runs alone)."""
+    chunks: list[list[tuple[int, ...]]] = []
+    size = 0
+    for ids in token_lists:
+        if not chunks or size + len(ids) > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(ids)
+        size += len(ids)
+    return chunks
 
 
 def _embedding_items(inputs: object) -> list[str | list[int]]:
