@@ -108,8 +108,10 @@ def parse(body: Any) -> EmbeddingsCall:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", param="body")
     inputs = _inputs(body)
-    fmt = optional_str(body, "encoding_format") or "float"
-    if fmt not in ENCODING_FORMATS:
+    fmt = optional_str(body, "encoding_format")
+    if fmt is None:
+        fmt = "float"
+    elif fmt not in ENCODING_FORMATS:
         raise err("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     dimensions = integer(body, "dimensions", 1, 1 << 20, None)
     model = optional_str(body, "model")

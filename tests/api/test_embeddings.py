@@ -41,6 +41,7 @@ def test_input_forms(value: object, inputs: tuple) -> None:
     ({"input": ["x"] * (api.MAX_INPUTS + 1)}, "input"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "encoding_format": 1}, "encoding_format"),
+    ({"input": "x", "encoding_format": ""}, "encoding_format"),
     ({"input": "x", "dimensions": 0}, "dimensions"),
     ({"input": "x", "dimensions": "8"}, "dimensions"),
     ({"input": "x", "model": 5}, "model"),
