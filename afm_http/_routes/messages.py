@@ -43,13 +43,10 @@ from .._streaming import (
     keepalive_batches,
 )
 
-__all__ = ["PING_SECONDS", "register"]
+__all__ = ["register"]
 
 log = logging.getLogger("afm.http")
 
-PING_SECONDS: float | None = None
-"""When set, the ping interval instead of ``ServerConfig.keepalive_seconds``
-(kept for the tests that set it)."""
 
 
 def register(app: AFMQuart) -> None:
@@ -75,8 +72,7 @@ async def create_message() -> Response:
                 _stop_if_asked(engine, writer, rid)
             writer.close()
         return json_response(writer.message(), headers=headers)
-    body = _sse_body(engine, stream, stack, writer, rid,
-                     PING_SECONDS if PING_SECONDS is not None else state.config.keepalive_seconds)
+    body = _sse_body(engine, stream, stack, writer, rid, state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
 

@@ -14,7 +14,6 @@ import trio
 
 from afm_core.testing import make_echo_model
 from afm_http import ServerConfig
-from afm_http._routes import messages as messages_route
 from afm_http.testing import running_server
 
 MESSAGES = "/v1/messages"
@@ -432,11 +431,12 @@ async def test_client_disconnect_frees_slot(echo_model_dir: Path) -> None:
         await client.close()
 
 
-async def test_pings_while_the_engine_is_silent(echo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(messages_route, "PING_SECONDS", 0.05)
+async def test_pings_while_the_engine_is_silent(echo_model_dir: Path) -> None:
     hog = {"model": "m", "max_tokens": 20000, "stream": True, "messages": user("word " * 5000)}
     waiting = {"model": "m", "max_tokens": 100, "stream": True, "messages": user("waiting politely")}
-    async with running_server(echo_model_dir, max_batch=1) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    fast = ServerConfig(keepalive_seconds=0.05)
+    async with running_server(echo_model_dir, server=fast, max_batch=1) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
         async with c.stream("POST", MESSAGES, json=hog, headers={"X-Request-ID": "hog"}) as r1:
             lines = r1.aiter_lines()
             while not (await lines.__anext__()).startswith("event: content_block_delta"):
