@@ -102,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the first request then pays one-time costs)")
     engine.add_argument("--no-cpu-fusion", action="store_true",
                         help="on MLX's CPU backend, keep mlx-lm's own norm, rotary and linear layers")
+    engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
+                        help="how /v1/embeddings pools the final hidden states (L2-normalized)")
     parser.add_argument("--quiet", action="store_true", help="no access log")
 
 
@@ -140,7 +142,8 @@ async def _main(args: argparse.Namespace) -> None:
                            default_max_tokens=args.default_max_tokens,
                            grammar=not args.no_grammar,
                            warmup=not args.no_warmup,
-                           cpu_fusion=not args.no_cpu_fusion) as engine:
+                           cpu_fusion=not args.no_cpu_fusion,
+                           embedding_pooling=args.embedding_pooling) as engine:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(lambda task_status: serve_engine(

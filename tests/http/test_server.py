@@ -29,6 +29,11 @@ def test_cli_defaults_are_safe() -> None:
     assert args.host == "127.0.0.1" and args.port == 9999
     assert args.api_key is None and args.cors_origin == [] and args.model is None
     assert args.max_body_bytes == 8 << 20
+    assert args.embedding_pooling == "mean"
+    assert build_parser("serve").parse_args(
+        ["serve", "--embedding-pooling", "last"]).embedding_pooling == "last"
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve", "--embedding-pooling", "max"])
     with pytest.raises(SystemExit):
         build_parser("serve").parse_args(["serve", "--max-batch", "0"])
     with pytest.raises(SystemExit):
