@@ -3,7 +3,7 @@ model with one batch slot held by a long stream (the hog), and a second streamin
 request on each route that waits for the slot.
 
 The waits are deterministic: the hog is cancelled only once the waiting request heard
-its first keepalive (or, with keepalives off, once the engine reports it waiting)."""
+its first keepalive (or, with keepalives off, once the engine decoded 500 steps while it waited)."""
 
 from __future__ import annotations
 
@@ -234,7 +234,12 @@ async def test_zero_sends_no_keepalive(echo_model_dir: Path) -> None:
                 with trio.fail_after(10):
                     while engine.statistics().waiting < 1:
                         await trio.sleep(0.01)
-                await trio.sleep(0.3)  # six intervals of FAST's: keepalives would have gone out
+                # the hog decodes 500 engine steps while the request waits (the hog has
+                # thousands of tokens left); with keepalives off nothing is written meanwhile
+                steps = engine.statistics().steps
+                with trio.fail_after(60):
+                    while engine.statistics().steps < steps + 500:
+                        await trio.sleep(0.01)
                 await release(c)
                 lines = [line async for line in r.aiter_lines()]
             assert not any(line.startswith(":") for line in lines), (path, lines[:5])
