@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import UnsupportedError
-from .validate import err, flag, include_usage, integer, number, optional_str, seed, valid_text
+from .validate import (
+    err,
+    flag,
+    include_usage,
+    integer,
+    json_object,
+    number,
+    optional_str,
+    seed,
+    valid_text,
+)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_STOP = 16
@@ -285,8 +295,7 @@ class ChatRequest:
     @classmethod
     def from_openai(cls, body: Any) -> ChatRequest:
         """Validate an OpenAI chat completion body."""
-        if not isinstance(body, dict):
-            raise err("the request body must be a JSON object", "body")
+        body = json_object(body)
         model = optional_str(body, "model")
         n = integer(body, "n", 1, 128, 1)
         if n != 1:
@@ -453,8 +462,7 @@ class CompletionRequest:
         (``n``, ``best_of``, ``stream``, ``stream_options``) are the
         translation's to check (:mod:`afm_core.api.completions`).
         """
-        if not isinstance(body, dict):
-            raise err("the request body must be a JSON object", "body")
+        body = json_object(body)
         model = optional_str(body, "model")
         suffix = body.get("suffix")
         if suffix is not None:

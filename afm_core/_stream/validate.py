@@ -16,13 +16,20 @@ from typing import Any
 
 from .._errors import RequestError
 
-__all__ = ["as_float", "as_whole", "count", "err", "flag", "include_usage", "integer", "number", "optional_str",
-           "seed", "valid_text"]
+__all__ = ["as_float", "as_whole", "count", "err", "flag", "include_usage", "integer", "json_object", "number",
+           "optional_str", "seed", "valid_text"]
 
 
 def err(message: str, param: str) -> RequestError:
     """A 400 about ``param``."""
     return RequestError(message, param=param)
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    """``body`` when it is a JSON object (the top level of every request)."""
+    if not isinstance(body, dict):
+        raise err("the request body must be a JSON object", "body")
+    return body
 
 
 def as_float(v: Any) -> float | None:

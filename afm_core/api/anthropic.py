@@ -84,7 +84,7 @@ from .._stream.events import (
 from .._stream.request import ChatRequest
 from .._stream.sse import dumps
 from .._stream.stops import StopMatcher
-from .._stream.validate import as_float
+from .._stream.validate import as_float, json_object
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -452,8 +452,7 @@ class MessagesRequest:
 
 def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(OpenAI-style chat body, Anthropic extras)``, validated in Anthropic's words."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param="body")
+    body = json_object(body)
     model = _str(_required(body, "model"), "model")
     max_tokens: int | None = None
     if not count:

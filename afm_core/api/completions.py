@@ -59,7 +59,7 @@ from .._stream.events import (
 )
 from .._stream.request import CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
-from .._stream.validate import count, flag, include_usage
+from .._stream.validate import count, flag, include_usage, json_object
 
 __all__ = [
     "DONE",
@@ -112,8 +112,7 @@ def parse(body: Any) -> Completion:
     With ``n > 1`` and a ``seed``, choice ``j`` of a prompt samples with
     ``seed + j``, so the choices differ and each is reproducible.
     """
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param="body")
+    body = json_object(body)
     prompts = completion_prompts(body.get("prompt"))
     n = _choices(body, "n", 1)
     best_of = body.get("best_of")

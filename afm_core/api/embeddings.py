@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import RequestError
-from .._stream.validate import err, integer, optional_str, valid_text
+from .._stream.validate import err, integer, json_object, optional_str, valid_text
 
 __all__ = ["ENCODING_FORMATS", "MAX_INPUTS", "EmbeddingsCall", "encode_vector", "parse", "resize", "response"]
 
@@ -105,8 +104,7 @@ def _inputs(body: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
 
 def parse(body: Any) -> EmbeddingsCall:
     """Validate an embeddings body (see the module docstring); raises :class:`RequestError`."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param="body")
+    body = json_object(body)
     inputs = _inputs(body)
     fmt = optional_str(body, "encoding_format")
     if fmt is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._errors import RequestError, UnsupportedError
 from .._stream.request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
-from .._stream.validate import count, err, flag, optional_str, valid_text
+from .._stream.validate import count, err, flag, json_object, optional_str, valid_text
 from .responses_store import StoredResponse
 
 __all__ = ["ResponsesCall", "new_id", "parse", "to_messages"]
@@ -473,8 +473,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     ``previous_response_id``; without it, or when it finds nothing, a
     ``previous_response_id`` is OpenAI's 404 ``previous_response_not_found``.
     """
-    if not isinstance(body, dict):
-        raise err("the request body must be a JSON object", "body")
+    body = json_object(body)
     _unsupported(body)
     model = optional_str(body, "model")
     instructions = optional_str(body, "instructions")
