@@ -48,7 +48,6 @@ __all__ = ["register"]
 log = logging.getLogger("afm.http")
 
 
-
 def register(app: AFMQuart) -> None:
     app.post("/v1/messages")(create_message)
     app.post("/v1/messages/count_tokens")(count_message_tokens)
