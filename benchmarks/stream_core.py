@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from afm_core._stream.detok_tables import DecoderTables
 from afm_core._stream.events import ToolCallDelta
 from afm_core._stream.toolcalls.registry import make_tool_tracker
-from tests import stream_tokenizers
+from tests.stream import tokenizers as stream_tokenizers
 
 TWINS = ("c", "py")
 
 
 def twin(component: str, which: str) -> Any:
-    return importlib.import_module(f"afm_core._{component}_{which}")
+    return importlib.import_module(f"afm_core._stream.{component}_{which}")
 
 
 def streams(tok: Any) -> dict[str, list[int]]:

@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from afm_core._stream.toolcalls.registry import make_tool_tracker
-from tests import stream_tokenizers
+from tests.stream import tokenizers as stream_tokenizers
 
 TWINS = ("c", "py")
 TOOLS = [{"type": "function", "function": {"name": "write_notes", "parameters": {
@@ -61,7 +61,7 @@ def streams(tok: Any) -> dict[str, tuple[str, list[str]]]:
 
 
 def best(fmt: str, texts: list[str], which: str, repeat: int) -> float:
-    mod = importlib.import_module(f"afm_core._tools_{which}")
+    mod = importlib.import_module(f"afm_core._stream.tools_{which}")
     times = []
     for _ in range(repeat):
         t = make_tool_tracker(fmt, tools=TOOLS, impl=mod)
