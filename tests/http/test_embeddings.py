@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -11,7 +12,6 @@ import pytest
 import trio
 
 from afm_http.testing import running_server
-from tests.http.helpers import body, sse, text_of
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -77,14 +77,27 @@ async def test_bad_input_is_a_400(random_model_dir: Path, echo_model_dir: Path) 
 
 
 async def test_embeddings_do_not_disturb_a_running_stream(random_model_dir: Path) -> None:
-    payload = body("Tell me a story", stream=True, max_tokens=48, temperature=0)
+    # a raw completion that cannot stop early (ignore_eos): 300 decode steps, so
+    # the embedding calls below land between its steps, not after it
+    payload = {"model": "m", "prompt": "Tell me a story", "stream": True, "max_tokens": 300,
+               "temperature": 0, "ignore_eos": True}
+
+    async def streamed_text(h: httpx.AsyncClient) -> str:
+        parts = []
+        async with h.stream("POST", "/v1/completions", json=payload) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    parts.extend(c["text"] for c in chunk["choices"])
+        return "".join(parts)
+
     async with running_server(random_model_dir, prefix_cache_bytes=0, warmup=False) as (url, engine), \
             httpx.AsyncClient(base_url=url, timeout=60) as h:
-        _, events, _ = await sse(h, payload)
-        alone = text_of(events)
+        alone = await streamed_text(h)
         assert alone
         c = client(url)
-        results: list[int] = []
+        during: list[bool] = []  # per embedding call: did it end while the stream was decoding?
         streamed = trio.Event()
 
         async def embeds() -> None:
@@ -93,12 +106,13 @@ async def test_embeddings_do_not_disturb_a_running_stream(random_model_dir: Path
                 await trio.sleep(0.001)
             for n in range(3):
                 r = await c.embeddings.create(model="m", input=[f"text {n}"] * 4, encoding_format="float")
-                results.append(len(r.data))
+                assert len(r.data) == 4
+                during.append(not streamed.is_set() and engine.statistics().running == 1)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(embeds)
-            _, events, _ = await sse(h, payload)
+            with_embeds = await streamed_text(h)
             streamed.set()
-        assert text_of(events) == alone
-        assert results == [4, 4, 4]
+        assert with_embeds == alone
+        assert len(during) == 3 and any(during), during  # they really ran mid-stream
         await c.close()
