@@ -112,7 +112,10 @@ class SSEEncoder:
 
     The first choice chunk carries ``delta.role: "assistant"``.  A
     ``LogprobsDelta`` directly after a content/reasoning delta in one
-    :meth:`encode_many` batch rides in that delta's chunk.
+    :meth:`encode_many` batch rides in that delta's chunk.  ``index`` is the
+    choice the stream is (``choices[0].index``; a request with ``n`` > 1 runs
+    one stream, and one encoder, per choice); the usage, error and profile
+    chunks carry no choice.
     """
 
     def __init__(
@@ -122,11 +125,15 @@ class SSEEncoder:
         model: str,
         *,
         system_fingerprint: str | None = None,
+        index: int = 0,
     ) -> None:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"the choice index must be a non-negative int, not {index!r}")
         self.id = id
         self.created = created
         self.model = model
         self.system_fingerprint = system_fingerprint
+        self.index = int(index)
         self._role_pending = True
         head: dict[str, Any] = {
             "id": id,
@@ -137,7 +144,7 @@ class SSEEncoder:
         if system_fingerprint is not None:
             head["system_fingerprint"] = system_fingerprint
         self._head = head
-        top = dumps(head)[:-1] + b',"choices":[{"index":0,"delta":{'
+        top = dumps(head)[:-1] + b',"choices":[{"index":%d,"delta":{' % self.index
         self._top = b"data: " + top
         self._role = b'"role":"assistant",'
         self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -152,7 +159,7 @@ class SSEEncoder:
             delta = {"role": "assistant", **delta}
         chunk = dict(self._head)
         chunk["choices"] = [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         ]
         return chunk
 

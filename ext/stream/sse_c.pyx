@@ -170,7 +170,8 @@ cdef class SSEEncoder:
 
     The first choice chunk carries ``delta.role: "assistant"``.  A
     ``LogprobsDelta`` directly after a content/reasoning delta in one
-    :meth:`encode_many` batch rides in that delta's chunk.
+    :meth:`encode_many` batch rides in that delta's chunk.  ``index`` is the
+    choice the stream is (``choices[0].index``).
     """
 
     cdef object _cold
@@ -181,8 +182,9 @@ cdef class SSEEncoder:
     cdef bytes _tool_prefix
     cdef bint _role_sent
 
-    def __init__(self, str id, created, str model, *, system_fingerprint=None):
-        self._cold = _PySSEEncoder(id, created, model, system_fingerprint=system_fingerprint)
+    def __init__(self, str id, created, str model, *, system_fingerprint=None, index=0):
+        self._cold = _PySSEEncoder(id, created, model, system_fingerprint=system_fingerprint,
+                                   index=index)
         self._top = self._cold._top
         self._tail = self._cold._tail
         self._args_tail = b"}}]" + self._tail
@@ -205,6 +207,10 @@ cdef class SSEEncoder:
     @property
     def system_fingerprint(self):
         return self._cold.system_fingerprint
+
+    @property
+    def index(self):
+        return self._cold.index
 
     cdef inline bint _take_role(self) except -1:
         # The role state lives in the cold encoder; cache "already sent".

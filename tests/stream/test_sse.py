@@ -182,6 +182,49 @@ def test_encode_many_equals_concatenated_encode(twin: TwinSet) -> None:
     assert encoder(twin).encode_many([]) == b""
 
 
+@pytest.mark.parametrize("index", [1, 15])
+def test_choice_index_on_every_choice_chunk(twin: TwinSet, index: int) -> None:
+    lp = LogprobsDelta((TokenLogprob("a", -0.5, None),))
+    events = [ContentDelta("a"), lp, ReasoningDelta("r"), ToolCallDelta(0, "{", id="call_1", name="f"),
+              ToolCallDelta(0, "}"), Finish("tool_calls"), Usage(3, 4), StreamFailure("x"), Profile({})]
+    enc, ref = encoder(twin, index=index), encoder(twin)
+    assert enc.index == index and ref.index == 0
+    got = frames(enc.encode_many(events))
+    assert [c["choices"][0]["index"] for c in got if c.get("choices")] == [index] * 5
+    # the same chunks as choice 0's, but for the index
+    want = frames(ref.encode_many(events))
+    for c in want:
+        for choice in c.get("choices", ()):
+            choice["index"] = index
+    assert got == want
+    assert got[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
+def test_choice_index_must_be_a_non_negative_int(twin: TwinSet, bad: Any) -> None:
+    with pytest.raises(ValueError, match="choice index"):
+        encoder(twin, index=bad)
+
+
+def test_interleaved_choices_accumulate(twin: TwinSet) -> None:
+    encs = [encoder(twin, index=i) for i in range(3)]
+    steps = [[(0, [ContentDelta("a")]), (2, [ContentDelta("c")])],
+             [(1, [ToolCallDelta(0, '{"x"', id="call_9", name="f")]), (0, [ContentDelta("A")])],
+             [(1, [ToolCallDelta(0, ":1}"), Finish("tool_calls")]), (2, [Finish("length")])],
+             [(0, [Finish("stop")])]]
+    body = b"".join(encs[i].encode_many(events) for step in steps for i, events in step)
+    body += encs[0].encode(Usage(5, 6)) + encs[0].done()
+    result = twin.accumulate.accumulate([body])
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    assert [c["finish_reason"] for c in result["choices"]] == ["stop", "tool_calls", "length"]
+    assert [c["message"]["content"] for c in result["choices"]] == ["aA", None, "c"]
+    assert result["choices"][1]["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":1}'}
+    assert result["usage"]["total_tokens"] == 11
+    chunks = list(sdk_stream(body))
+    assert [c.choices[0].index for c in chunks if c.choices] == [0, 2, 1, 0, 1, 1, 2, 0]
+    assert all(c.choices[0].delta.role == "assistant" for c in chunks[:3])
+
+
 def test_not_an_event(twin: TwinSet) -> None:
     with pytest.raises(TypeError):
         encoder(twin).encode("text")  # type: ignore[arg-type]
@@ -204,11 +247,12 @@ event = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(events=st.lists(event, max_size=8), fp=st.one_of(st.none(), text), model=text)
-def test_twins_identical_and_parse_back(events: list[Any], fp: str | None, model: str) -> None:
-    c = C.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
-    py = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
-    ref = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp)
+@given(events=st.lists(event, max_size=8), fp=st.one_of(st.none(), text), model=text,
+       index=st.integers(0, 20))
+def test_twins_identical_and_parse_back(events: list[Any], fp: str | None, model: str, index: int) -> None:
+    c = C.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp, index=index)
+    py = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp, index=index)
+    ref = PY.sse.SSEEncoder("chatcmpl-x", 1, model, system_fingerprint=fp, index=index)
     data = c.encode_many(events)
     assert data == py.encode_many(events)
     assert frames(data) == json.loads(json.dumps(ref.chunks(events), allow_nan=False))
