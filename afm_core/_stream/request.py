@@ -3,7 +3,8 @@
 Sans-IO.  ``ChatRequest.from_openai(body)`` checks every field it accepts and
 raises :class:`RequestError` (HTTP status hint and ``param``) for anything
 malformed; unknown top-level fields are ignored like OpenAI's lenient clients
-expect, except fields we cannot honour (``n > 1``).
+expect.  ``n`` (1 to :data:`MAX_N`) is the number of choices; the engine runs
+one stream per choice (:meth:`ChatRequest.per_choice`).
 
 The legacy Completions API's bodies carry one or several raw prompts:
 :func:`completion_prompts` reads them and ``CompletionRequest.from_openai``
@@ -12,7 +13,7 @@ validates the settings for each (the engine runs one request per prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import UnsupportedError
@@ -32,6 +33,10 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_INT = 2**31 - 1
+MAX_N = 16
+"""The most choices (``n``) a request may ask for: a chat completion's, and each
+prompt's in a completions body (a server may allow fewer: it runs every choice
+as its own batch row)."""
 
 
 def _text_content(content: Any, param: str, *, allow_none: bool) -> str | None:
@@ -291,15 +296,26 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_thinking: bool | None = None
     reasoning_effort: str | None = None
+    n: int = 1
+    """Choices asked for.  The engine runs a request as one choice whatever its
+    ``n``: open one stream per :meth:`per_choice` request (the HTTP layer does)."""
+
+    def per_choice(self) -> tuple[ChatRequest, ...]:
+        """One request per choice (``n`` of them, each with ``n`` = 1).  With a
+        ``seed``, choice ``j`` samples with ``seed + j``, so seeded choices differ
+        and each is reproducible; unseeded ones differ by chance, greedy ones
+        (``temperature`` 0) are equal."""
+        one = replace(self, n=1) if self.n != 1 else self
+        if self.seed is None:
+            return (one,) * self.n
+        return tuple(replace(one, seed=self.seed + j) if j else one for j in range(self.n))
 
     @classmethod
     def from_openai(cls, body: Any) -> ChatRequest:
         """Validate an OpenAI chat completion body."""
         body = json_object(body)
         model = optional_str(body, "model")
-        n = integer(body, "n", 1, 128, 1)
-        if n != 1:
-            raise UnsupportedError("only n=1 is supported", param="n")
+        n = integer(body, "n", 1, MAX_N, 1) or 1
         stream = flag(body, "stream", False)
         usage = include_usage(body)
         tools = _tools(body.get("tools"))
@@ -343,6 +359,7 @@ class ChatRequest:
             chat_template_kwargs=dict(ctk),
             enable_thinking=enable_thinking,
             reasoning_effort=effort,
+            n=n,
         )
 
     @property

@@ -57,7 +57,7 @@ from .._stream.events import (
     TopLogprob,
     Usage,
 )
-from .._stream.request import CompletionRequest, completion_prompts
+from .._stream.request import MAX_N, CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
 from .._stream.validate import count, flag, include_usage, json_object
 
@@ -99,8 +99,8 @@ class Completion:
 
 
 def _choices(body: dict[str, Any], key: str, default: int) -> int:
-    """``n`` or ``best_of``: an integer in ``[1, MAX_CHOICES]``."""
-    return count(body, key, 1, MAX_CHOICES, default) or default  # never 0: at least 1
+    """``n`` or ``best_of``: an integer in ``[1, MAX_N]`` (chat's limit too)."""
+    return count(body, key, 1, MAX_N, default) or default  # never 0: at least 1
 
 
 def parse(body: Any) -> Completion:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from afm_core import ChatRequest, RequestError, UnsupportedError
+from afm_core import ChatRequest, RequestError
+from afm_core._stream.request import MAX_N
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -85,7 +88,20 @@ def test_invalid_values_raise_with_param(body, param: str) -> None:
     assert info.value.to_dict()["error"]["message"]
 
 
-def test_unsupported_n() -> None:
-    with pytest.raises(UnsupportedError) as info:
-        ok(n=2)
-    assert info.value.param == "n"
+@pytest.mark.parametrize("n", [0, 17, -1, 1.5, "2", True])
+def test_n_outside_one_to_sixteen(n: object) -> None:
+    with pytest.raises(RequestError) as info:
+        ok(n=n)
+    assert info.value.param == "n" and info.value.status == 400
+
+
+def test_n_runs_one_request_per_choice() -> None:
+    assert ok().n == 1 and ok().per_choice() == (ok(),)
+    r = ok(n=MAX_N, temperature=0.7)
+    assert r.n == 16 and ok(n=3.0).n == 3
+    choices = r.per_choice()
+    assert len(choices) == 16 and all(c == replace(r, n=1) for c in choices)
+    # seeded: choice j samples with seed + j (reproducible, and different)
+    seeded = ok(n=3, seed=41).per_choice()
+    assert [c.seed for c in seeded] == [41, 42, 43] and {c.n for c in seeded} == {1}
+    assert [c.seed for c in ok(n=2, seed=-1).per_choice()] == [-1, 0]
