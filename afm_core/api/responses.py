@@ -44,9 +44,11 @@ is always the model's whole reasoning text.  ``include`` with
 the text.  ``truncation: "auto"`` is accepted but nothing is truncated (a
 prompt past the context is still a 400).  Hosted tools (``web_search``,
 ``file_search``, ...), ``background: true``, ``conversation``, ``prompt``
-templates, ``context_management``, ``item_reference`` items and non-text
-content (images, files, audio) are a 400 :class:`UnsupportedError`; unknown
-fields are ignored.
+templates, ``context_management``, ``item_reference`` items, non-text
+content (images, files, audio) and ``n`` other than 1 (not a Responses
+field: a response is one assistant turn, with one status and one usage, that
+``previous_response_id`` continues) are a 400 :class:`UnsupportedError`;
+unknown fields are ignored.
 
 The events, each with ``type`` and a ``sequence_number`` counting from 0:
 ``response.created`` and ``response.in_progress`` (status ``in_progress``);

@@ -89,6 +89,13 @@ def _unsupported(body: dict[str, Any]) -> None:
     if body.get("context_management"):
         raise UnsupportedError("context management (compaction) is not supported",
                                param="context_management")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        # not OpenAI's field: a response is one assistant turn (one status, one usage, and the
+        # turn previous_response_id continues), so several answers do not fit in one
+        raise UnsupportedError("the Responses API has no 'n': a response is one answer. Send n "
+                               "requests (they share the prompt's prefill), or use "
+                               "/v1/chat/completions with 'n'", param="n")
 
 
 def _metadata(raw: Any) -> dict[str, str]:

@@ -238,6 +238,7 @@ FIELDS: dict[str, Any] = {
     "include": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "metadata": _metadata,
     "previous_response_id": lambda v: False,  # no response is stored under a fuzzed id: 404
+    "n": lambda v: not isinstance(v, bool) and v == 1,  # no n in Responses: only 1 is accepted
 }
 SAMPLING = {"temperature", "top_p"}
 
@@ -263,6 +264,7 @@ EDGES: dict[str, Any] = {
     "max_tool_calls": st.sampled_from([1, 0, 2.0, 2.5, 2**31]),
     "temperature": st.sampled_from([0, 0.0, 2, 2.0001, -0.1]),
     "top_p": st.sampled_from([0, 1, 1.0001, -0.1]),
+    "n": st.sampled_from([1, 1.0, 2, 0, 16, 17, -1, True, "1"]),
 }
 
 
