@@ -31,7 +31,7 @@ from afm_core import ChatStream
 from ._asgi import close_when_done
 from ._state import AppState
 
-__all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Keepalive", "aclose_shielded",
+__all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded",
            "held_stack", "keepalive_batches", "next_batches"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

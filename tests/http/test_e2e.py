@@ -159,7 +159,7 @@ async def test_profile_events(echo_model_dir: Path) -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}', 400),
         (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}', 400),
-        (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 17}', 400),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400),
         (b"\xff\xfe", 400),
         (b"[" * 5000 + b"]" * 5000, 400),

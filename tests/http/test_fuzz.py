@@ -98,7 +98,8 @@ def assert_served(r: httpx.Response, text: str | None, *, prefix: bool = False) 
         assert lines[-1] == "[DONE]", lines[-3:]
         chunks = [json.loads(d) for d in lines[:-1]]
         assert not any("error" in c for c in chunks), chunks
-        got = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        got = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                      if c["choices"] and c["choices"][0]["index"] == 0)
     else:
         got = r.json()["choices"][0]["message"]["content"]
     if text is not None:
@@ -228,7 +229,7 @@ FIELDS: dict[str, Any] = {
     # top_k in [1024, 1_000_000] is accepted by validation but crashes mlx-lm's sampler
     # (see test_top_k_beyond_sampler_limit_is_400); the oracle says what OpenAI-style servers do
     "top_k": int_in(-1, 1023),
-    "n": lambda v: int_in(1, 1)(v),
+    "n": int_in(1, 16),
     "stream": is_bool, "logprobs": is_bool, "parallel_tool_calls": is_bool,
     "seed": lambda v: not isinstance(v, bool) and isinstance(v, int) and -(2**63) <= v < 2**64,
     "model": lambda v: isinstance(v, str),
@@ -284,6 +285,15 @@ def test_field_types_and_ranges(client: httpx.Client, key: str, value: Any, stre
     truncating = key in ("max_tokens", "max_completion_tokens")
     assert_served(r, None if key in SAMPLING else "fuzzed field", prefix=truncating)
     assert is_stream == r.headers["content-type"].startswith("text/event-stream")
+    if key == "n" and value is not None:  # n choices, each the echo
+        if is_stream:
+            chunks = [json.loads(d) for d in sse_data(r)[:-1]]
+            finished = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+                        if c["choices"] and c["choices"][0]["finish_reason"]}
+            assert finished == dict.fromkeys(range(int(value)), "stop"), finished
+        else:
+            texts = [c["message"]["content"] for c in r.json()["choices"]]
+            assert texts == ["fuzzed field"] * int(value), texts
 
 
 KNOWN = {"messages", "model", "n", "stream", "stream_options", "tools", "tool_choice", "max_tokens",
