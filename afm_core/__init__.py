@@ -41,6 +41,7 @@ from ._stream.events import ContentDelta as ContentDelta
 from ._stream.events import Finish as Finish
 from ._stream.events import LogprobsDelta as LogprobsDelta
 from ._stream.events import Profile as Profile
+from ._stream.events import PromptProgress as PromptProgress
 from ._stream.events import ReasoningDelta as ReasoningDelta
 from ._stream.events import StreamError as StreamError
 from ._stream.events import StreamFailure as StreamFailure
@@ -89,6 +90,7 @@ __all__ = [
     "ModelLoadError",
     "Profile",
     "PromptLogprobs",
+    "PromptProgress",
     "ReasoningDelta",
     "ReasoningSplitter",
     "RequestError",

@@ -3,7 +3,9 @@
 Frozen, slotted dataclasses; every layer speaks them.  A stream is a sequence
 of deltas (content, reasoning, tool-call fragments, logprobs) followed by one
 ``Finish``, an optional ``Usage``, an optional ``Profile``, or a
-``StreamFailure`` in place of the finish when generation failed.
+``StreamFailure`` in place of the finish when generation failed.  A stream
+that asks for them (``Engine.stream(..., progress=True)``) also carries
+``PromptProgress`` events while its prompt is prefilled, before its first delta.
 """
 
 from __future__ import annotations
@@ -120,7 +122,29 @@ class StreamFailure:
         return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
 
 
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """How far the prompt's prefill has come (llama.cpp's ``prompt_progress``).
+
+    Sent only to a stream opened with ``progress=True``: one when the
+    generation thread starts the prompt (``processed == cached``), one per
+    prefill chunk, and a last one with ``processed == total`` before the
+    first token.  Counts are over the whole prompt; cached tokens count as
+    processed.
+    """
+
+    processed: int
+    """Prompt tokens in the request's KV cache so far, the cached ones included."""
+    total: int
+    """Prompt tokens."""
+    cached: int
+    """Prompt tokens not computed for this request: a prefix-cache hit, or
+    another request's prefill of the same prompt."""
+    time_ms: float = 0.0
+    """Milliseconds since the generation thread took the request in."""
+
+
 StreamError = StreamFailure  # the former name (public as afm_core.StreamError)
 
 Delta = ContentDelta | ReasoningDelta | ToolCallDelta | LogprobsDelta
-Event = Delta | Finish | Usage | Profile | StreamFailure
+Event = Delta | Finish | Usage | Profile | StreamFailure | PromptProgress
