@@ -119,6 +119,9 @@ class Job:
     prompt_top_logprobs: int | None = None
     """Score the prompt's own tokens with this many alternatives per position
     (a completion's ``prompt_logprobs``); None: do not."""
+    progress: bool = False
+    """Send :class:`~afm_core._stream.events.PromptProgress` events while the
+    prompt is prefilled (``Engine.stream(..., progress=True)``)."""
     # filled in by the generation thread
     uid: MlxUid | None = None
     """Given when the job is admitted into mlx-lm's batch."""
@@ -129,6 +132,13 @@ class Job:
     """The job's logits processors, each recording (not raising) its failure."""
     scores: PromptScores | None = None
     """The prompt being scored during prefill, until the first token arrives."""
+    t_admitted: float = 0.0
+    """``time.perf_counter()`` when the generation thread took the job in (0: not yet)."""
+    leader: Job | None = None
+    """While parked: the job prefilling the same prompt, whose prefilled
+    cache this one starts from (it has no ``uid`` until then)."""
+    followers: list[Job] = field(default_factory=list)
+    """The jobs parked on this one (see :attr:`leader`), until its prefill ends."""
 
 
 @dataclass(frozen=True, slots=True)

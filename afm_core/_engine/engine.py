@@ -49,7 +49,7 @@ from .._errors import (
 )
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Event, Finish, Profile, StreamFailure, Usage
+from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
 from .._stream.request import ChatRequest, CompletionRequest
 from .commands import (
     Embed,
@@ -98,6 +98,10 @@ class EngineStatistics:
     blas: str = ""
     """The BLAS computing MLX's CPU products (``openblas``, ``reference``,
     ``accelerate``; see ``afm_core._mlx.blas``), once the engine has started."""
+    shared_prefills: int = 0
+    """Requests started from another request's prefill of the same prompt
+    (several choices of one prompt, identical requests arriving together):
+    each computed one prompt token instead of all of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +346,8 @@ class Engine:
 
     def stream(self, request: ChatRequest | CompletionRequest | dict[str, Any], *,
                request_id: RequestId | None = None, profile: str | None = None,
-               group: RequestId | None = None) -> AbstractAsyncContextManager[ChatStream]:
+               group: RequestId | None = None, progress: bool = False,
+               ) -> AbstractAsyncContextManager[ChatStream]:
         """Submit ``request``; raises before yielding when it cannot be served.
 
         ``request`` is a :class:`ChatRequest`, a :class:`CompletionRequest`
@@ -352,12 +357,26 @@ class Engine:
         at the call.  ``group`` names another request id that cancels this
         request too (:meth:`cancel`): the several streams one client request
         runs (a completion with several prompts) share the client's id.
+
+        ``progress`` True adds :class:`PromptProgress` events to the stream
+        while its prompt is prefilled (llama.cpp's ``return_progress``): one
+        when the generation thread starts the prompt (``processed`` equal to
+        the cached tokens), one per prefill chunk of ``prefill_step`` tokens,
+        and one with ``processed == total`` before the first token; False
+        (the default) sends none.
+
+        Streams opened together with the same prompt (the same token ids; not
+        one scoring its prompt) share one prefill: the later ones wait for the
+        first one's and start from a copy of its cache, computing only the
+        last prompt token (their usage reports the rest as ``cached_tokens``).
         """
-        return self._stream(_as_request(request), request_id=request_id, profile=profile, group=group)
+        return self._stream(_as_request(request), request_id=request_id, profile=profile, group=group,
+                            progress=progress)
 
     @asynccontextmanager
     async def _stream(self, request: ChatRequest | CompletionRequest, *, request_id: RequestId | None,
-                      profile: str | None, group: RequestId | None = None) -> AsyncIterator[ChatStream]:
+                      profile: str | None, group: RequestId | None = None,
+                      progress: bool = False) -> AsyncIterator[ChatStream]:
         if self._closed or self._worker is None:
             raise EngineClosedError("the engine is not running")
         if self._worker.fatal is not None:
@@ -379,7 +398,8 @@ class Engine:
             self._groups.setdefault(group, set()).add(request_id)
         try:
             job, downgraded = await trio.to_thread.run_sync(
-                self._prepare, request, record, profile, limiter=self._limiter, abandon_on_cancel=True
+                self._prepare, request, record, profile, progress, limiter=self._limiter,
+                abandon_on_cancel=True,
             )
             self._requests_total += 1
             if record.state is RequestState.CANCELLED:
@@ -647,6 +667,7 @@ class Engine:
             ttft_count=self._ttft_count,
             finished=dict(ws.finished) if ws else {},
             blas=w.blas if w is not None else "",
+            shared_prefills=ws.shared_prefills if ws else 0,
         )
 
     # -- internals -------------------------------------------------------------
@@ -687,7 +708,8 @@ class Engine:
                 continue
             if scored is not None:
                 record.prompt_logprobs = scored  # before the reader can see the batch
-            if record.t_first is None:
+            if record.t_first is None and (not events or any(type(e) is not PromptProgress for e in events)):
+                # prompt progress comes before the first token: not what time to first token measures
                 record.t_first = now
                 self._ttft_sum += now - record.t_submit
                 self._ttft_count += 1
@@ -697,7 +719,7 @@ class Engine:
                 record.mailbox.close()  # the reader drains what is there, then sees the end
 
     def _prepare(self, request: ChatRequest | CompletionRequest, record: RequestRecord,
-                 profile: str | None) -> tuple[Job, bool]:
+                 profile: str | None, progress: bool = False) -> tuple[Job, bool]:
         """Template, tokenize and build the job (runs in a worker thread)."""
         from .prepare import build_job
 
@@ -705,6 +727,7 @@ class Engine:
         return build_job(
             request, key=record.key, info=self._info(), tokenizer=self._tokenizer,
             tables=self._detok_tables, config=self.config, profile=profile, t_submit=record.t_submit,
+            progress=progress,
         )
 
 

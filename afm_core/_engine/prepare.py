@@ -160,8 +160,9 @@ def _budget(prompt: list[int], requested: int | None, info: ModelInfo, config: E
 
 def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: ModelInfo,
               tokenizer: TokenizerWrapper, tables: DecoderTables, config: EngineConfig,
-              profile: str | None, t_submit: float) -> tuple[Job, bool]:
-    """``(job, grammar_downgraded)`` for ``request``; raises RequestError subclasses."""
+              profile: str | None, t_submit: float, progress: bool = False) -> tuple[Job, bool]:
+    """``(job, grammar_downgraded)`` for ``request``; raises RequestError subclasses.
+    ``progress``: the job sends prompt-progress events (``Engine.stream``)."""
     from .._stream.detok import IncrementalDetokenizer
 
     recorder = None
@@ -176,7 +177,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         pipeline = StreamPipeline(IncrementalDetokenizer(continuation_tables(tables)), stops=request.stop)
         return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
                    profile=recorder, stop_at_eos=not request.ignore_eos,
-                   prompt_top_logprobs=request.prompt_logprobs), False
+                   prompt_top_logprobs=request.prompt_logprobs, progress=progress), False
     text = render_prompt(request, tokenizer, info)
     prompt = list(tokenizer.encode(text, add_special_tokens=False))
     if not prompt:
@@ -192,7 +193,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         structured=_structured_stage(request),
     )
     job = Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens,
-              pipeline=pipeline, profile=recorder, grammar=grammar)
+              pipeline=pipeline, profile=recorder, grammar=grammar, progress=progress)
     return job, downgraded
 
 

@@ -9,10 +9,29 @@ Commands are drained before every step, so a cancelled or abandoned request
 leaves the batch within one step, and a new one joins at the next.  Jobs are
 named by their key on the way in and out, by mlx-lm's uid inside the batch
 (see :mod:`.commands` for the id spaces).
+
+**Shared prefill.**  A job whose prompt (the same token ids) is being
+prefilled for another job still waiting or prefilling in the batch is not
+prefilled again: it is *parked* on that job, its *leader* (held in
+``by_key``, with no uid).  When the leader's prefill ends, the generator
+leaves a deep copy of the leader's cache (every prompt token but the last) in
+``gen.prefilled`` (see :mod:`afm_core._mlx.prefill`), and after the step
+each parked job is inserted with its own copy and only its last prompt
+token left to compute (``cached_tokens`` ``len(prompt) - 1``).  A leader
+that leaves before its prefill ends (cancelled, dropped, failed) hands its
+parked jobs back to admission: the first one prefills, the others park on it.
+Jobs scoring their prompt (``prompt_top_logprobs``) neither lead nor park.
+
+**Prompt progress.**  A job with ``progress`` gets
+:class:`~afm_core._stream.events.PromptProgress` events: when it is inserted
+(``processed`` = its cached tokens), for each prefill chunk (mlx-lm's prompt
+responses), and ``processed == total`` when its prefill ends, the step
+before its first token.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -27,6 +46,7 @@ from .._stream.events import (
     Finish,
     LogprobsDelta,
     Profile,
+    PromptProgress,
     StreamFailure,
     TokenLogprob,
     TopLogprob,
@@ -77,6 +97,10 @@ class WorkerStats:
     prefix_cache_hits: int = 0
     prefix_cache_lookups: int = 0
     prefix_cache_bytes: int = 0
+    shared_prefills: int = 0
+    """Jobs started from another job's prefill of the same prompt (see the module docstring)."""
+    parked: int = 0
+    """Jobs waiting now for another job's prefill of the same prompt."""
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -110,6 +134,11 @@ class Worker:
         self.by_key: dict[JobKey, Job] = {}  # every job the thread holds, by the engine's key
         self.scored: dict[JobKey, PromptLogprobs] = {}  # prompts scored this step, to deliver
         self.synced: list[Callable[[], None]] = []  # Sync callbacks due after this iteration's step
+        # shared prefill (see the module docstring)
+        self.leaders: dict[tuple[int, ...], Job] = {}  # a prompt -> the job prefilling it
+        self.leading: dict[JobKey, tuple[int, ...]] = {}  # the same, by the leader's key
+        self.orphans: dict[JobKey, Job] = {}  # parked jobs whose leader left: admitted again
+        self.early: dict[JobKey, list[Event]] = {}  # progress events, ahead of the step's others
         self.thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
 
@@ -213,9 +242,13 @@ class Worker:
                     cmd = self.commands.get_nowait()
                 except queue.Empty:
                     cmd = None
+            self._readmit(outputs)
             if self.by_key:
                 self._step(outputs)
+                self._readmit(outputs)
             self._update_stats()
+            if self.early:
+                self._flush_early(outputs)
             if outputs:
                 self.post(outputs)
             if self.synced:
@@ -245,6 +278,8 @@ class Worker:
                 self._remove(held)
                 if isinstance(cmd, Cancel):
                     outputs[held.key] = Delivery(tuple(self._end(held, "cancelled")), True)
+                else:
+                    self.early.pop(held.key, None)
             case Stop():  # the loop handles it before calling here
                 raise AssertionError("Stop reaches _command")
 
@@ -262,18 +297,26 @@ class Worker:
         cmd.done(result)
 
     def _admit(self, job: Job, outputs: Outputs) -> None:
+        """Insert ``job`` into mlx-lm's batch, or park it on the job prefilling
+        its prompt (see the module docstring)."""
         from mlx_lm.models.cache import trim_prompt_cache
 
-        from .sampling import GuardedProcessor, logits_processors
-
+        if not job.t_admitted:  # (a parked job whose leader left comes back here)
+            job.t_admitted = time.perf_counter()
+            if job.profile is not None:
+                job.profile.admitted(job.t_admitted)
         if job.max_tokens == 0 and job.prompt_top_logprobs is None:
             # a completion asking for nothing: no prefill, no token
-            if job.profile is not None:
-                job.profile.admitted(time.perf_counter())
             outputs[job.key] = Delivery(tuple(self._end(job, "length")), True)
             return
+        leader = self.leaders.get(key) if (key := _share_key(job)) is not None else None
+        if leader is not None and leader.uid is not None:
+            job.leader = leader
+            leader.followers.append(job)
+            self.gen.shared.add(leader.uid)
+            self.by_key[job.key] = job
+            return
         try:
-            req = job.request
             prompt = job.prompt
             scores = None
             if job.prompt_top_logprobs is not None:
@@ -294,26 +337,37 @@ class Worker:
             job.cached_tokens = len(prompt) - len(rest)
             if job.cached_tokens:
                 self.stats.prefix_cache_hits += 1
-            procs = [GuardedProcessor(p) for p in logits_processors(req, _vocab_size(self.model))]
-            if job.grammar is not None:
-                procs.append(GuardedProcessor(job.grammar))
-            job.guards = procs
-            inserted = self.gen.insert_one(
-                rest,
-                # a prompt scored for no token still runs one step: it ends there
-                max_tokens=max(job.max_tokens, 1),
-                cache=cache,
-                all_tokens=prompt[: job.cached_tokens],
-                sampler=self.samplers.get(req, _vocab_size(self.model)),
-                logits_processors=procs,
-                stop_at_eos=job.stop_at_eos,
-                scores=scores,
-            )
-            job.scores = scores
+            self._insert(job, rest, cache, scores)
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
+            self.by_key.pop(job.key, None)
             outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
             return
+        self._inserted(job, key)
+
+    def _insert(self, job: Job, rest: list[int], cache: list[Any] | None, scores: PromptScores | None) -> None:
+        """Insert ``job`` into mlx-lm's batch: ``rest`` is its prompt after
+        ``cache`` (which holds the first ``job.cached_tokens`` tokens)."""
+        from .sampling import GuardedProcessor, logits_processors
+
+        req = job.request
+        prompt = job.prompt
+        procs = [GuardedProcessor(p) for p in logits_processors(req, _vocab_size(self.model))]
+        if job.grammar is not None:
+            procs.append(GuardedProcessor(job.grammar))
+        job.guards = procs
+        inserted = self.gen.insert_one(
+            rest,
+            # a prompt scored for no token still runs one step: it ends there
+            max_tokens=max(job.max_tokens, 1),
+            cache=cache,
+            all_tokens=prompt[: job.cached_tokens],
+            sampler=self.samplers.get(req, _vocab_size(self.model)),
+            logits_processors=procs,
+            stop_at_eos=job.stop_at_eos,
+            scores=scores,
+        )
+        job.scores = scores
         job.uid = uid = MlxUid(inserted)
         self.by_uid[uid] = job
         if req.logprobs:
@@ -322,13 +376,80 @@ class Worker:
         self.stats.prompt_tokens += len(prompt)
         self.stats.computed_prompt_tokens += len(rest)
         self.stats.cached_tokens += job.cached_tokens
-        if job.profile is not None:
-            job.profile.admitted(time.perf_counter())
+
+    def _inserted(self, job: Job, key: tuple[int, ...] | None) -> None:
+        """``job`` is in mlx-lm's batch: later jobs with its prompt may park on
+        it; its first progress event."""
+        if key is not None and key not in self.leaders:
+            self.leaders[key] = job
+            self.leading[job.key] = key
+        if job.progress:
+            self._progress(job, job.cached_tokens)
+
+    def _start_followers(self, outputs: Outputs) -> None:
+        """Insert the jobs parked on the leaders whose prefill just ended, each
+        with a copy of its leader's cache (see the module docstring)."""
+        prefilled = list(self.gen.prefilled.items())
+        self.gen.prefilled.clear()
+        for uid, row in prefilled:
+            leader = self.by_uid.get(MlxUid(uid))
+            if leader is None:
+                continue
+            followers, leader.followers = leader.followers, []
+            for n, job in enumerate(followers):
+                job.leader = None
+                cache = row if n == len(followers) - 1 else copy.deepcopy(row)
+                job.cached_tokens = len(job.prompt) - 1
+                try:
+                    self._insert(job, job.prompt[-1:], cache, None)
+                except Exception as exc:  # fail this request only
+                    log.exception("admitting request failed")
+                    self.by_key.pop(job.key, None)
+                    outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
+                    continue
+                self.stats.shared_prefills += 1
+                self._inserted(job, _share_key(job))
+
+    def _prefill_ended(self, job: Job) -> None:
+        """``job``'s prefill is over (or it left): no job parks on it any more;
+        any still parked go back to admission."""
+        key = self.leading.pop(job.key, None)
+        if key is not None and self.leaders.get(key) is job:
+            del self.leaders[key]
+        if job.followers:
+            for follower in job.followers:
+                follower.leader = None
+                self.orphans[follower.key] = follower
+            job.followers = []
+        if job.uid is not None:
+            self.gen.shared.discard(job.uid)
+
+    def _readmit(self, outputs: Outputs) -> None:
+        """Admit the parked jobs whose leader left before its prefill ended:
+        the first one prefills, the others park on it."""
+        while self.orphans:
+            key = next(iter(self.orphans))
+            self._admit(self.orphans.pop(key), outputs)
+
+    def _progress(self, job: Job, processed: int) -> None:
+        elapsed = (time.perf_counter() - job.t_admitted) * 1000.0
+        event = PromptProgress(processed, len(job.prompt), job.cached_tokens, round(elapsed, 3))
+        self.early.setdefault(job.key, []).append(event)
+
+    def _flush_early(self, outputs: Outputs) -> None:
+        """Put the progress events ahead of each stream's other events of this iteration."""
+        for key, events in self.early.items():
+            held = outputs.get(key)
+            if held is not None:
+                outputs[key] = held._replace(events=(*events, *held.events))
+            elif key in self.by_key:
+                outputs[key] = Delivery(tuple(events), False)
+        self.early.clear()
 
     def _step(self, outputs: Outputs) -> None:
         gen = self.gen
         try:
-            _prompt_responses, responses = gen.next()
+            prompt_responses, responses = gen.next()
         except Exception as exc:  # the batch is unusable: fail it, keep serving
             log.exception("engine step failed")
             for stale in list(self.by_key.values()):
@@ -337,6 +458,17 @@ class Worker:
             self._reset_generator()
             return
         self.stats.steps += 1
+        if gen.prefilled:
+            self._start_followers(outputs)
+        for p in prompt_responses:
+            prefilling = self.by_uid.get(p.uid)
+            if prefilling is None:
+                continue
+            if p.end_of_prompt:
+                self._prefill_ended(prefilling)
+            if prefilling.progress:
+                done = len(prefilling.prompt) if p.end_of_prompt else prefilling.cached_tokens + p.progress[0]
+                self._progress(prefilling, done)
         now = time.perf_counter()
         batch_size = len(responses)
         active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
@@ -420,6 +552,7 @@ class Worker:
         s.running = seen.decoding
         s.prefilling = seen.prefilling
         s.queued = seen.waiting
+        s.parked = sum(len(j.followers) for j in self.leaders.values())
 
     def _logprobs(self, token: int, logprobs: mx.array, k: int) -> LogprobsDelta:
         from .sampling import top_logprobs
@@ -495,6 +628,15 @@ class Worker:
             self.by_uid.pop(job.uid, None)
             self.logprob_uids.discard(job.uid)
             self.gen.forget_scores(job.uid)
+            self.gen.prefilled.pop(job.uid, None)
+        leader = job.leader
+        if leader is not None:  # parked: it leaves its leader
+            leader.followers.remove(job)
+            job.leader = None
+            if not leader.followers and leader.uid is not None:
+                self.gen.shared.discard(leader.uid)
+        self.orphans.pop(job.key, None)
+        self._prefill_ended(job)  # a leader leaving hands its parked jobs back to admission
         self.by_key.pop(job.key, None)
 
     def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
@@ -522,6 +664,15 @@ class Worker:
             self._remove(job)
             outputs[job.key] = Delivery((StreamFailure("the engine is shutting down", code="engine_closed"),), True)
         self.gen.close()
+
+
+def _share_key(job: Job) -> tuple[int, ...] | None:
+    """What a job that may share its prefill is matched by (its prompt), or
+    None: a scored prompt needs its own prefill, a one-token prompt has
+    nothing to share."""
+    if job.prompt_top_logprobs is not None or len(job.prompt) < 2:
+        return None
+    return tuple(job.prompt)
 
 
 def _param_bytes(model: nn.Module) -> int:

@@ -32,6 +32,14 @@ and the most likely alternatives.  Only those rows compute the vocabulary
 projection of every position (lazy evaluation skips it for the others, whose
 prefill is unchanged); they must be prefilled from their first token (no
 prefix cache), and the row's prefill waits for its own evaluations.
+
+**Shared prefill.**  A row whose uid is in the generator's ``shared`` set
+(other requests wait for the same prompt) has its cache deep-copied into
+``prefilled[uid]`` when its prefill ends, in :meth:`EnginePromptBatch.generate`
+(reached from mlx-lm's step and from ``_start_decoding`` alike), just before
+the rows are merged into the decode batch.  The copy holds every prompt token
+but the last, as the row does then; the caller takes it out of ``prefilled``
+after the step and inserts the waiting requests with it.
 """
 
 from __future__ import annotations
@@ -120,10 +128,13 @@ class EnginePromptBatch(PromptProcessingBatch):
     module docstring.  mlx-lm's merged ``prompt_cache`` stays empty."""
 
     def __init__(self, model: Any, uids: list[int], caches: list[list[Any]], *,
-                 scores: dict[int, PromptScores] | None = None, **kw: Any) -> None:
+                 scores: dict[int, PromptScores] | None = None, shared: set[int] | None = None,
+                 prefilled: dict[int, list[Any]] | None = None, **kw: Any) -> None:
         super().__init__(model, uids, [], **kw)
         self.rows: list[list[Any]] = list(caches)
         self.scores: dict[int, PromptScores] = {} if scores is None else scores
+        self.shared: set[int] = set() if shared is None else shared
+        self.prefilled: dict[int, list[Any]] = {} if prefilled is None else prefilled
 
     def extract_cache(self, idx: int) -> list[Any]:
         return self.rows[idx]
@@ -174,6 +185,12 @@ class EnginePromptBatch(PromptProcessingBatch):
         row's last token."""
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
+        if self.shared:
+            for uid, row in zip(self.uids, self.rows, strict=True):
+                if uid in self.shared:
+                    # before merging: the copy must not share arrays the decode batch writes
+                    self.shared.discard(uid)
+                    self.prefilled[uid] = copy.deepcopy(row)
         batch = GenerationBatch(
             self.model,
             self.uids,
@@ -195,17 +212,26 @@ class EngineBatchGenerator(BatchGenerator):
     """mlx-lm's ``BatchGenerator`` prefilling with :class:`EnginePromptBatch`
     and decoding with the engine's batch reading ``logprob_uids`` (see
     :func:`afm_core._mlx.batch.install`).  ``prompt_scores`` holds the rows
-    whose prompts are scored, by uid (see :meth:`insert_one`)."""
+    whose prompts are scored, by uid (see :meth:`insert_one`).
+
+    ``shared`` holds the uids of rows whose prefilled cache other requests
+    wait for: when such a row's prefill ends, a deep copy of its cache
+    (every prompt token but the last) lands in ``prefilled[uid]`` and the uid
+    leaves ``shared``.  The caller adds the uids, and empties ``prefilled``
+    after each :meth:`next`."""
 
     def __init__(self, model: Any, *, logprob_uids: set[int], **kw: Any) -> None:
         super().__init__(model, **kw)
         install(self, logprob_uids)
         self.prompt_scores: dict[int, PromptScores] = {}
+        self.shared: set[int] = set()
+        self.prefilled: dict[int, list[Any]] = {}
         self._prompt_batch = self._new_prompt_batch([], [])
 
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
-                                 fallback_sampler=self.sampler, scores=self.prompt_scores, **kw)
+                                 fallback_sampler=self.sampler, scores=self.prompt_scores,
+                                 shared=self.shared, prefilled=self.prefilled, **kw)
 
     def insert_one(self, prompt: list[int], *, max_tokens: int, cache: list[Any] | None,
                    all_tokens: list[int], sampler: Any, logits_processors: list[Any],
@@ -233,6 +259,8 @@ class EngineBatchGenerator(BatchGenerator):
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         for uid in uids:
             self.prompt_scores.pop(uid, None)
+            self.shared.discard(uid)
+            self.prefilled.pop(uid, None)
         return super().remove(uids, return_prompt_caches)
 
     def occupancy(self) -> Occupancy:
