@@ -159,7 +159,7 @@ async def test_sdk_sees_typed_errors(echo_model_dir: Path) -> None:
         assert info.value.status_code == 400 and info.value.param == "messages"
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "x"}], n=2)
+                model="m", messages=[{"role": "user", "content": "x"}], n=17)
         with pytest.raises(openai.BadRequestError) as ctx_info:
             await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
