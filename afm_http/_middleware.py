@@ -54,6 +54,15 @@ def _authorized_key(header: str | None, api_key: str) -> bool:
     return header is not None and hmac.compare_digest(supplied, api_key.encode("utf-8"))
 
 
+def _public(path: str, method: str) -> bool:
+    """Served without the API key: ``/health``, and the chat page's own files
+    (``GET /``, ``/ui/*``; no data in them: the page sends the key with its API calls)."""
+    if path == "/health":
+        return True
+    return method in ("GET", "HEAD") and current_state().config.ui \
+        and (path == "/" or path.startswith("/ui/"))
+
+
 async def _prepare() -> Response | None:
     rid, valid = client_request_id(request.headers.get("X-Request-ID"))
     set_request_id(rid)
@@ -61,7 +70,7 @@ async def _prepare() -> Response | None:
         return None
     api_key = current_state().config.api_key
     api = api_for_path(request.path)
-    if api_key is not None and request.path != "/health" \
+    if api_key is not None and not _public(request.path, request.method) \
             and not _authorized(request.headers.get("Authorization"), api_key) \
             and not (api == "anthropic" and _authorized_key(request.headers.get("X-Api-Key"), api_key)):
         how = "'x-api-key: KEY' or 'Authorization: Bearer KEY'" if api == "anthropic" \

@@ -81,4 +81,6 @@ async def test_route_table(echo_model_dir: Path) -> None:
         ("/v1/models/<path:model_id>", get),
         ("/health", get),
         ("/metrics", get),
+        ("/", get),
+        ("/ui/<name>", get),
     }
