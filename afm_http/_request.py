@@ -16,8 +16,14 @@ from afm_core import RequestError
 from ._body import parse_json
 from ._state import current_state
 
-__all__ = ["body_was_read", "read_json", "request_id", "request_id_or_none", "sent_a_body",
-           "set_request_id"]
+__all__ = ["PROGRESS_HEADER", "body_was_read", "progress_requested", "read_json", "request_id",
+           "request_id_or_none", "sent_a_body", "set_request_id"]
+
+PROGRESS_HEADER = "X-AFM-Progress"
+"""``true`` asks a streamed response of any wire API for prompt-progress events."""
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("", "false", "0", "no", "off")
 
 
 def set_request_id(rid: str) -> None:
@@ -58,3 +64,16 @@ def sent_a_body() -> bool:
     if request.content_length:
         return True
     return "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+
+
+def progress_requested(opted_in: bool = False) -> bool:
+    """Whether the response carries prompt-progress events: ``opted_in`` (the
+    body's ``stream_options.include_progress``) or the ``X-AFM-Progress`` header."""
+    value = request.headers.get(PROGRESS_HEADER)
+    if value is None:
+        return opted_in
+    v = value.strip().lower()
+    if v not in _TRUE and v not in _FALSE:
+        raise RequestError(f"{PROGRESS_HEADER} must be 'true' or 'false'", param=PROGRESS_HEADER,
+                           code="invalid_header")
+    return opted_in or v in _TRUE

@@ -143,6 +143,11 @@ class PromptProgress:
     time_ms: float = 0.0
     """Milliseconds since the generation thread took the request in."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form, llama.cpp's ``prompt_progress`` object."""
+        return {"total": self.total, "cache": self.cached, "processed": self.processed,
+                "time_ms": round(self.time_ms, 3)}
+
 
 StreamError = StreamFailure  # the former name (public as afm_core.StreamError)
 

@@ -20,6 +20,7 @@ from .._errors import UnsupportedError
 from .validate import (
     err,
     flag,
+    include_progress,
     include_usage,
     integer,
     json_object,
@@ -276,6 +277,10 @@ class ChatRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    include_progress: bool = False
+    """``stream_options.include_progress``: a streamed response carries prompt-progress
+    chunks while the prompt is prefilled (the HTTP route opens the engine stream
+    with ``progress=True``)."""
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: str | dict[str, Any] = "none"
     parallel_tool_calls: bool = True
@@ -318,6 +323,7 @@ class ChatRequest:
         n = integer(body, "n", 1, MAX_N, 1) or 1
         stream = flag(body, "stream", False)
         usage = include_usage(body)
+        progress = include_progress(body)
         tools = _tools(body.get("tools"))
         max_tokens = integer(body, "max_completion_tokens", 1, MAX_INT, None)
         if max_tokens is None:
@@ -347,6 +353,7 @@ class ChatRequest:
             model=model,
             stream=stream,
             include_usage=usage,
+            include_progress=progress,
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,

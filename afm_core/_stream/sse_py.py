@@ -27,6 +27,7 @@ from .events import (
     Finish,
     LogprobsDelta,
     Profile,
+    PromptProgress,
     ReasoningDelta,
     StreamFailure,
     TokenLogprob,
@@ -114,8 +115,9 @@ class SSEEncoder:
     ``LogprobsDelta`` directly after a content/reasoning delta in one
     :meth:`encode_many` batch rides in that delta's chunk.  ``index`` is the
     choice the stream is (``choices[0].index``; a request with ``n`` > 1 runs
-    one stream, and one encoder, per choice); the usage, error and profile
-    chunks carry no choice.
+    one stream, and one encoder, per choice); the usage, error, profile and
+    prompt-progress (``choices: []`` with llama.cpp's ``prompt_progress``
+    object) chunks carry no choice.
     """
 
     def __init__(
@@ -188,6 +190,11 @@ class SSEEncoder:
             return chunk
         if type(event) is Profile:
             return {event.key: event.payload}
+        if type(event) is PromptProgress:
+            chunk = dict(self._head)
+            chunk["choices"] = []
+            chunk["prompt_progress"] = event.to_dict()
+            return chunk
         if type(event) is StreamFailure:
             chunk = dict(self._head)
             chunk["choices"] = []

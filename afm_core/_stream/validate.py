@@ -16,8 +16,8 @@ from typing import Any
 
 from .._errors import RequestError
 
-__all__ = ["as_float", "as_whole", "count", "err", "flag", "include_usage", "integer", "json_object", "number",
-           "optional_str", "seed", "valid_text"]
+__all__ = ["as_float", "as_whole", "count", "err", "flag", "include_progress", "include_usage", "integer",
+           "json_object", "number", "optional_str", "seed", "stream_option", "valid_text"]
 
 
 def err(message: str, param: str) -> RequestError:
@@ -126,14 +126,24 @@ def seed(body: dict[str, Any]) -> int | None:
     return v
 
 
-def include_usage(body: dict[str, Any]) -> bool:
-    """OpenAI's ``stream_options.include_usage`` (chat and completions), False when absent."""
+def stream_option(body: dict[str, Any], key: str) -> bool:
+    """A boolean of ``stream_options`` (chat and completions), False when absent."""
     opts = body.get("stream_options")
     if opts is None:
         return False
     if not isinstance(opts, dict):
         raise err("'stream_options' must be an object", "stream_options")
-    iu = opts.get("include_usage", False)
-    if not isinstance(iu, bool):
-        raise err("'include_usage' must be a boolean", "stream_options.include_usage")
-    return iu
+    value = opts.get(key, False)
+    if not isinstance(value, bool):
+        raise err(f"'{key}' must be a boolean", f"stream_options.{key}")
+    return value
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """OpenAI's ``stream_options.include_usage``, False when absent."""
+    return stream_option(body, "include_usage")
+
+
+def include_progress(body: dict[str, Any]) -> bool:
+    """afm's ``stream_options.include_progress`` (prompt-progress events), False when absent."""
+    return stream_option(body, "include_progress")

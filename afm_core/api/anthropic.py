@@ -54,6 +54,11 @@ What maps to what:
   ``cache_read_input_tokens`` (the engine's prefix-cache hits), as Anthropic
   counts them; ``output_tokens`` is every generated token.
 
+A stream opened with ``progress=True`` (the ``X-AFM-Progress: true`` header)
+also carries ``prompt_progress`` events (``{"type": "prompt_progress",
+"prompt_progress": {total, cache, processed, time_ms}}``) while the prompt is
+prefilled; the SDK passes unknown event types through.
+
 Errors use Anthropic's envelope (:func:`error_body`); :func:`error_status`
 and :func:`error_type` map afm's errors and HTTP statuses to Anthropic's
 (an :class:`EngineBusyError` is 529 ``overloaded_error``).
@@ -76,6 +81,7 @@ from .._errors import AFMError, EngineBusyError, GenerationError, RequestError, 
 from .._stream.events import (
     ContentDelta,
     Finish,
+    PromptProgress,
     ReasoningDelta,
     StreamFailure,
     ToolCallDelta,
@@ -677,6 +683,8 @@ class MessageStream:
                     self._end(out)
             case StreamFailure(message=message, type=kind):
                 out.extend(self.fail(message, type=kind))
+            case PromptProgress():
+                out.append({"type": "prompt_progress", "prompt_progress": event.to_dict()})
         return out  # logprobs and profiles have no Anthropic form
 
     def feed_many(self, events: Iterable[object]) -> list[dict[str, Any]]:

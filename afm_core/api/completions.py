@@ -16,6 +16,9 @@ as its own stream.  :class:`CompletionWriter` turns the streams' events into
 and :func:`collect` folds the same chunks into the non-streaming object, so
 both forms say the same thing.  The chunks:
 
+* with ``stream_options.include_progress``, while the prompt is prefilled,
+  prompt-progress chunks (``choices`` empty, ``prompt_progress``: ``total``,
+  ``cache``, ``processed``, ``time_ms``, as llama.cpp's) for the first choice;
 * a choice's text chunks ``{"index", "text", "logprobs", "finish_reason":
   null}``; with ``echo`` the first one is the prompt's text (and, with
   ``logprobs``, the prompt's scored tokens);
@@ -52,6 +55,7 @@ from .._stream.events import (
     Event,
     Finish,
     LogprobsDelta,
+    PromptProgress,
     StreamFailure,
     TokenLogprob,
     TopLogprob,
@@ -59,7 +63,7 @@ from .._stream.events import (
 )
 from .._stream.request import MAX_N, CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
-from .._stream.validate import count, flag, include_usage, json_object
+from .._stream.validate import count, flag, include_progress, include_usage, json_object
 
 __all__ = [
     "DONE",
@@ -91,6 +95,9 @@ class Completion:
     """Alternatives listed per token, or None for no logprobs."""
     stream: bool = False
     include_usage: bool = False
+    include_progress: bool = False
+    """``stream_options.include_progress``: prompt-progress chunks (``choices: []``
+    and llama.cpp's ``prompt_progress`` object) for the first choice's prompt."""
     model: str | None = None
 
     @property
@@ -123,6 +130,7 @@ def parse(body: Any) -> Completion:
                            param="prompt")
     stream = flag(body, "stream", False)
     usage = include_usage(body)
+    progress = include_progress(body)
     base = CompletionRequest.from_openai(body, prompts[0])
     requests = []
     prompt_of = []
@@ -139,6 +147,7 @@ def parse(body: Any) -> Completion:
         logprobs=base.top_logprobs if base.logprobs else None,
         stream=stream,
         include_usage=usage,
+        include_progress=progress,
         model=base.model,
     )
 
@@ -274,10 +283,17 @@ class CompletionWriter:
         out: list[dict[str, Any]] = []
         if self.ended(index) or self.error is not None:
             return out  # nothing follows a choice's end, nor the response's failure
+        items = list(events)
+        while items and type(items[0]) is PromptProgress:  # the prompt is still being prefilled
+            chunk = dict(self._head)
+            chunk["choices"] = []
+            chunk["prompt_progress"] = items.pop(0).to_dict()  # type: ignore[union-attr]
+            out.append(chunk)
+        if not items and prompt_logprobs is None:
+            return out  # the echo waits for the prompt's scores, which come with its first token
         if self.call.echo and not state.echoed:
             state.echoed = True
             out.append(self._echo_chunk(state, prompt_logprobs))
-        items = list(events)
         i, n = 0, len(items)
         while i < n:
             event = items[i]

@@ -75,6 +75,11 @@ event) or ``response.failed`` (a mid-stream failure: ``error.code
 response completed.  A response that completes without any output item gets
 an empty message, so ``output_text`` is ``""``.
 
+A stream opened with ``progress=True`` (the ``X-AFM-Progress: true`` header)
+also carries ``response.prompt_progress`` events (``prompt_progress``:
+``total``, ``cache``, ``processed``, ``time_ms``) after ``response.in_progress``,
+while the prompt is prefilled.
+
 Usage: ``input_tokens`` (``input_tokens_details.cached_tokens``: the prefix
 cache's), ``output_tokens``, ``total_tokens``; ``output_tokens_details.
 reasoning_tokens`` is whatever the caller sets in :attr:`ResponseWriter.
@@ -100,6 +105,7 @@ from .._stream.events import (
     Event,
     Finish,
     LogprobsDelta,
+    PromptProgress,
     ReasoningDelta,
     StreamFailure,
     TokenLogprob,
@@ -313,6 +319,9 @@ class ResponseWriter:
             elif kind is StreamFailure:
                 out += self.fail(event.message, type=event.type)  # type: ignore[union-attr]
                 break
+            elif kind is PromptProgress:
+                self._event(out, "response.prompt_progress", prompt_progress=event.to_dict())  # type: ignore[union-attr]
+                continue  # not a token: the logprobs pairing is unchanged
             prev = kind
         return out
 

@@ -7,7 +7,7 @@ engine emits the events, the encoder frames them, the engine's ``collect()``
 builds the non-streaming response; the route only joins the choices.
 
 ``n`` > 1 runs each choice as its own engine stream, all at once (the
-engine's prefix cache shares the prompt's prefill): choice 0 under the
+engine prefills the shared prompt once): choice 0 under the
 client's request id, choice ``i`` as ``<id>/<i>`` in its group, so
 ``POST /v1/chat/completions/{id}/cancel`` ends every choice with
 ``finish_reason: "cancelled"``; with a ``seed``, choice ``i`` samples with
@@ -18,6 +18,9 @@ asks; always in the non-streaming answer) counts the prompt once and the
 completion tokens of every choice.  ``X-AFM-Profile`` profiles choice 0 only:
 its one ``afm_profile`` object (its prefill and decode; the other choices
 decode in the same batch) comes after the usage, before ``[DONE]``.
+``stream_options.include_progress`` (or the ``X-AFM-Progress: true`` header)
+adds prompt-progress chunks (``choices: []``, ``prompt_progress``) while
+choice 0's prompt is prefilled.
 
 Before headers are sent every failure is an HTTP status with the OpenAI
 error envelope; after a stream began, a failure is the encoder's
@@ -50,7 +53,7 @@ from afm_core import (
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json, request_id
+from .._request import progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -82,6 +85,7 @@ async def chat_completions() -> Response:
     engine = state.engine
     chat = ChatRequest.from_openai(await read_json())
     profile = _profile_mode(request.headers.get("X-AFM-Profile"))
+    progress = chat.stream and progress_requested(chat.include_progress)
     room = engine.config.max_batch + engine.config.max_waiting
     if chat.n > room:
         raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
@@ -92,7 +96,8 @@ async def chat_completions() -> Response:
         for i, one in enumerate(chat.per_choice()):
             # choice 0 carries the client's id (and the profile); the others cancel with it
             opened = engine.stream(one, request_id=rid if i == 0 else f"{rid}/{i}",
-                                   group=None if i == 0 else rid, profile=profile if i == 0 else None)
+                                   group=None if i == 0 else rid, profile=profile if i == 0 else None,
+                                   progress=progress and i == 0)
             streams.append(await stack.enter_async_context(opened))
     except BaseException:
         await aclose_shielded(stack)

@@ -39,7 +39,7 @@ from afm_core.api import completions as api
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json, request_id
+from .._request import progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -68,6 +68,7 @@ async def text_completions() -> Response:
     if call.choices > room:
         raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
                            param="prompt")
+    progress = call.stream and progress_requested(call.include_progress)
     rid = request_id()
     stack = held_stack(state, rid)
     streams: list[ChatStream] = []
@@ -75,7 +76,7 @@ async def text_completions() -> Response:
         for i, req in enumerate(call.requests):
             # choice 0 carries the client's id; the others cancel with it
             opened = engine.stream(req, request_id=rid if i == 0 else f"{rid}/{i}",
-                                   group=None if i == 0 else rid)
+                                   group=None if i == 0 else rid, progress=progress and i == 0)
             streams.append(await stack.enter_async_context(opened))
         echo = await _echo_texts(engine, call) if call.echo else ()
     except BaseException:

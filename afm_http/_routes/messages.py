@@ -33,7 +33,7 @@ from afm_core.api import anthropic
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json, request_id
+from .._request import progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     STREAM_HEADERS,
@@ -59,7 +59,7 @@ async def create_message() -> Response:
     req = anthropic.parse_request(await read_json())
     rid = request_id()
     stack = held_stack(state, rid)
-    stream = await _open(engine, stack, req.chat, rid)
+    stream = await _open(engine, stack, req.chat, rid, progress=req.stream and progress_requested())
     writer = anthropic.MessageStream(
         model=req.model, input_tokens=stream.prompt_tokens, stop_sequences=req.stop_sequences,
         context_length=engine.context_length, show_thinking=req.show_thinking)
@@ -82,12 +82,13 @@ async def count_message_tokens() -> Response:
     return json_response(anthropic.count_tokens_result(len(ids)))
 
 
-async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: str) -> ChatStream:
+async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: str, *,
+                progress: bool) -> ChatStream:
     """Enter ``engine.stream``; a ``max_tokens`` beyond the context's room becomes the room."""
     if chat.max_tokens is not None and chat.max_tokens >= engine.context_length:
         chat = dataclasses.replace(chat, max_tokens=None)  # never fits (Claude Code asks 32000+)
     try:
-        return await stack.enter_async_context(engine.stream(chat, request_id=rid))
+        return await stack.enter_async_context(engine.stream(chat, request_id=rid, progress=progress))
     except ContextLengthError as exc:
         if exc.param == "messages":
             tokens = len(await engine.tokenize_chat(chat))
@@ -95,7 +96,7 @@ async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: s
         if exc.param != "max_tokens":
             raise
     return await stack.enter_async_context(
-        engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid))
+        engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid, progress=progress))
 
 
 def _stop_if_asked(engine: Engine, writer: anthropic.MessageStream, rid: str) -> None:

@@ -57,7 +57,7 @@ from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json, request_id
+from .._request import progress_requested, read_json, request_id
 from .._state import AppState, LiveResponse, current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -91,7 +91,9 @@ async def responses_create() -> Response:
     call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
     rid = request_id()
     stack = held_stack(state, rid)  # closed when the request ends, even if no body runs
-    stream = await stack.enter_async_context(state.engine.stream(call.chat, request_id=rid))
+    progress = call.stream and progress_requested()
+    stream = await stack.enter_async_context(state.engine.stream(call.chat, request_id=rid,
+                                                                 progress=progress))
     writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=stream.created,
                                 model=stream.model)
     live = LiveResponse(rid, writer)
