@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ def _check_progress(progress: list[dict[str, Any]]) -> None:
     total = progress[0]["total"]
     assert done == sorted(done) and done[-1] == total and total > 2 * STEP
     assert all(p["total"] == total and p["cache"] == progress[0]["cache"] for p in progress)
-    assert all(b - a <= STEP for a, b in zip(done, done[1:], strict=False))
+    assert all(b - a <= STEP for a, b in itertools.pairwise(done))
     assert all(set(p) == {"total", "cache", "processed", "time_ms"} for p in progress)
 
 
