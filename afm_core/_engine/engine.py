@@ -102,6 +102,12 @@ class EngineStatistics:
     """Requests started from another request's prefill of the same prompt
     (several choices of one prompt, identical requests arriving together):
     each computed one prompt token instead of all of them."""
+    embedding_requests: int = 0
+    """:meth:`Engine.embed` calls answered."""
+    embedding_tokens: int = 0
+    """Their input tokens."""
+    embeddings_active: int = 0
+    """:meth:`Engine.embed` calls running now (they count toward ``max_waiting``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +206,9 @@ class Engine:
         self.config = replace(config or EngineConfig(), **overrides)
         self._model_spec = model
         self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
+        self._embedding_calls = 0  # embed() calls running now (they count toward max_waiting)
+        self._embedding_requests = 0  # embed() calls answered
+        self._embedding_tokens = 0  # their input tokens
         self._groups: dict[RequestId, set[RequestId]] = {}  # group id -> its other members in flight
         self._by_key: dict[JobKey, RequestRecord] = {}
         self._serial = 0  # the last JobKey given
@@ -386,7 +395,7 @@ class Engine:
         request_id = request_id or f"req_{secrets.token_hex(12)}"
         if request_id in self._inflight:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        if len(self._inflight) >= self.config.max_batch + self.config.max_waiting:
+        if len(self._inflight) + self._embedding_calls >= self.config.max_batch + self.config.max_waiting:
             raise EngineBusyError(retry_after=1.0)
         mailbox = Mailbox()
         self._serial += 1
@@ -533,10 +542,12 @@ class Engine:
         tokens, with decode steps between the parts.  Raises :class:`RequestError` for an empty input or an
         id outside the vocabulary, :class:`ContextLengthError` for an input
         longer than the context, :class:`UnsupportedError` for a model without
-        a transformer body (the echo test model).  Cancelling the caller is
-        safe: work the thread has not started is skipped.
+        a transformer body (the echo test model), :class:`EngineBusyError` when
+        ``max_batch + max_waiting`` requests (streams and embedding calls
+        together) are already open.  Cancelling the caller is safe: work the
+        thread has not started is skipped.
         """
-        from .._mlx.embeddings import POOLINGS, NoHiddenStates
+        from .._mlx.embeddings import POOLINGS
 
         worker = self._worker
         if self._closed or worker is None or self._tokenizer is None:
@@ -547,7 +558,22 @@ class Engine:
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
         items = _embedding_items(inputs)
+        if len(self._inflight) + self._embedding_calls >= self.config.max_batch + self.config.max_waiting:
+            raise EngineBusyError(retry_after=1.0)
+        self._embedding_calls += 1
+        try:
+            result = await self._embed(worker, items, pooling)
+        finally:
+            self._embedding_calls -= 1
+        self._embedding_requests += 1
+        self._embedding_tokens += result.prompt_tokens
+        return result
+
+    async def _embed(self, worker: Worker, items: list[str | list[int]], pooling: str) -> Embeddings:
+        from .._mlx.embeddings import NoHiddenStates
+
         tokenizer, info = self._tokenizer, self._info()
+        assert tokenizer is not None
         limit = min(info.vocab_size, len(tokenizer))
 
         def tokenize() -> list[tuple[int, ...]]:
@@ -668,6 +694,9 @@ class Engine:
             finished=dict(ws.finished) if ws else {},
             blas=w.blas if w is not None else "",
             shared_prefills=ws.shared_prefills if ws else 0,
+            embedding_requests=self._embedding_requests,
+            embedding_tokens=self._embedding_tokens,
+            embeddings_active=self._embedding_calls,
         )
 
     # -- internals -------------------------------------------------------------

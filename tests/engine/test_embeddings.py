@@ -106,3 +106,37 @@ async def test_embedding_during_a_stream_leaves_its_output_unchanged(random_mode
 
 async def _embed_into(engine: Any, n: int, out: list[Any]) -> None:
     out.append((await engine.embed([f"text number {n}"] * 4)).vectors)
+
+
+async def test_embedding_calls_count_in_statistics_and_admission(random_model_dir: Path) -> None:
+    from afm_core import ChatRequest, EngineBusyError
+
+    async with open_engine(random_model_dir, max_batch=1, max_waiting=0, warmup=False) as engine:
+        got = await engine.embed(["The quick brown fox", [7, 8, 9]])
+        stats = engine.statistics()
+        assert stats.embedding_requests == 1 and stats.embedding_tokens == got.prompt_tokens
+        assert stats.embeddings_active == 0
+        # the one place is taken by a stream: an embedding call is refused like a second stream
+        req = ChatRequest(messages=({"role": "user", "content": "hi"},), max_tokens=200)
+        async with engine.stream(req):
+            with pytest.raises(EngineBusyError):
+                await engine.embed("jumps")
+        assert engine.statistics().embedding_requests == 1
+
+        # and an embedding call in progress holds the place against a stream
+        started = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def embed_many() -> None:
+                started.set()
+                await engine.embed(["a long text " * 100] * 4)
+
+            nursery.start_soon(embed_many)
+            await started.wait()
+            await trio.sleep(0)
+            assert engine.statistics().embeddings_active == 1
+            with pytest.raises(EngineBusyError):
+                async with engine.stream(req):
+                    pass
+        stats = engine.statistics()
+        assert stats.embedding_requests == 2 and stats.embeddings_active == 0
