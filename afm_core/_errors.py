@@ -6,6 +6,7 @@
     │   └── UnsupportedError    valid but not supported here (400 / 422)
     ├── EngineBusyError         waiting queue full (503, Retry-After)
     ├── EngineClosedError       engine shut down / not running (503)
+    │   └── DistributedError    a rank of a distributed model is gone or hung (503)
     ├── DuplicateRequestError   a request id already in flight (409)
     ├── ModelLoadError          a model could not be found, converted or loaded
     │   ├── GGUFError           a GGUF file is malformed or unsupported
@@ -90,6 +91,13 @@ class EngineClosedError(AFMError):
     status = 503
     type = "server_error"
     code = "engine_closed"
+
+
+class DistributedError(EngineClosedError):
+    """The ranks serving one sharded model lost each other (a rank died, hung
+    or went out of sync): the engine cannot generate until they restart."""
+
+    code = "distributed_failed"
 
 
 class DuplicateRequestError(AFMError):

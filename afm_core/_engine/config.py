@@ -5,10 +5,52 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["WARMUP_WIDTH", "EngineConfig"]
+__all__ = ["WARMUP_WIDTH", "DistributedConfig", "EngineConfig"]
 
 WARMUP_WIDTH = 4
 """Widest decode batch the start-up warm-up runs (see ``EngineConfig.warmup``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedConfig:
+    """One model sharded over the ranks of an ``mx.distributed`` group (see
+    ``afm_core._engine.distributed`` and ``docs/distributed.md``).  Rank 0
+    runs the engine with this setting (``EngineConfig.distributed``); every
+    other rank runs :func:`~afm_core.run_follower` with the same one."""
+
+    mode: str = "tensor"
+    """``tensor`` (each layer split over the ranks: ``model.shard``) or
+    ``pipeline`` (consecutive layers per rank: ``model.model.pipeline``)."""
+    backend: str = "any"
+    """MLX's distributed back-end (``ring``: TCP between hosts, ``mpi``,
+    ``jaccl``, ...); ``any`` takes the one the launcher set up."""
+    timeout: float = 60.0
+    """Seconds a rank may wait inside one collective operation (an engine
+    step, a broadcast of the step's commands, an embedding) before the group
+    counts as broken: on rank 0 every open stream then ends with a
+    ``distributed_failed`` error and the engine reports unhealthy (``/health``
+    503); a follower exits.  A peer that *dies* is usually seen at once (its
+    connection closes); this bounds the wait for one that hangs or whose host
+    is unreachable.  Must exceed the longest step (a prefill chunk of
+    ``prefill_step`` tokens)."""
+    heartbeat: float = 1.0
+    """Seconds between the idle rank 0's empty broadcasts, so a lost follower
+    is noticed (and ``/health`` turns 503) without waiting for a request, and
+    followers notice a lost rank 0."""
+    exit_after: float | None = None
+    """Once the group is broken, end the process (status 1) after this many
+    seconds (time for ``/health`` to report it and open streams to get their
+    error), so a supervisor restarts every rank; None keeps it running,
+    unhealthy.  The generation thread of a rank stuck in a collective never
+    returns, so shutting such an engine down can only end this way."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tensor", "pipeline"):
+            raise ValueError("distributed mode must be 'tensor' or 'pipeline'")
+        if not self.timeout > 0 or not self.heartbeat > 0:
+            raise ValueError("distributed timeout and heartbeat must be > 0")
+        if self.exit_after is not None and self.exit_after < 0:
+            raise ValueError("distributed exit_after must be >= 0 or None")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +139,11 @@ class EngineConfig:
     the pooling of decoder-only embedding models such as Qwen3-Embedding) or
     ``cls`` (the first token's).  Which one fits depends on how the model
     was trained; a chat model gives usable but not tuned embeddings with any."""
+
+    distributed: DistributedConfig | None = None
+    """Serve one model sharded over the ranks of an ``mx.distributed`` group
+    (:class:`DistributedConfig`): this engine is rank 0, every other rank runs
+    :func:`~afm_core.run_follower`.  None: the whole model in this process."""
 
     def __post_init__(self) -> None:
         if self.embedding_pooling not in ("mean", "last", "cls"):
