@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import trio
+
 __all__ = ["ID_RULE", "MAX_ID_LENGTH", "InFlight", "client_request_id", "mint_request_id", "valid_request_id"]
 
 MAX_ID_LENGTH = 128
@@ -48,7 +50,8 @@ def client_request_id(header: str | None) -> tuple[str, bool]:
 
 
 class InFlight:
-    """Request ids this app has open with the engine, so shutdown can cancel them.
+    """Request ids this app has open with the engine, so shutdown can cancel them
+    and a drain can wait for them (:meth:`wait_empty`).
 
     An id is held from before ``engine.stream(...)`` is entered until after
     it is left (a duplicate id briefly holds twice, hence the counts).
@@ -56,6 +59,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._held: Counter[str] = Counter()
+        self._emptied = trio.lowlevel.ParkingLot()
 
     @contextmanager
     def hold(self, request_id: str) -> Iterator[None]:
@@ -66,6 +70,13 @@ class InFlight:
             self._held[request_id] -= 1
             if self._held[request_id] <= 0:
                 del self._held[request_id]
+                if not self._held:
+                    self._emptied.unpark_all()
+
+    async def wait_empty(self) -> None:
+        """Return once no request id is held (at once if none is)."""
+        while self._held:
+            await self._emptied.park()
 
     def ids(self) -> list[str]:
         return list(self._held)

@@ -37,13 +37,20 @@ def _header(lines: list[str], name: str, kind: str, help_text: str) -> None:
     lines.append(f"# TYPE {name} {kind}")
 
 
-def render(stats: Any, model: str, http: Mapping[int, int]) -> str:
-    """The exposition text for ``stats`` (an ``EngineStatistics``) and HTTP status counts."""
+def render(stats: Any, model: str, http: Mapping[int, int], *, draining: bool = False,
+           inflight: int = 0) -> str:
+    """The exposition text for ``stats`` (an ``EngineStatistics``), HTTP status counts,
+    whether the server is draining and the requests its HTTP layer holds open."""
     label = f'model="{escape_label(model)}"'
     lines: list[str] = []
     for name, kind, help_text, attr in _SIMPLE:
         _header(lines, name, kind, help_text)
         lines.append(f"{name}{{{label}}} {getattr(stats, attr)}")
+    _header(lines, "afm_draining", "gauge", "1 while the server drains (not ready, new requests refused).")
+    lines.append(f"afm_draining {int(draining)}")
+    _header(lines, "afm_http_requests_inflight", "gauge",
+            "Request ids the HTTP layer holds open with the engine.")
+    lines.append(f"afm_http_requests_inflight {inflight}")
     _header(lines, "afm_time_to_first_token_seconds", "summary", "Submission to first event.")
     lines.append(f"afm_time_to_first_token_seconds_sum{{{label}}} {stats.ttft_seconds_sum:.6f}")
     lines.append(f"afm_time_to_first_token_seconds_count{{{label}}} {stats.ttft_count}")

@@ -2,7 +2,10 @@
 
 The engine and the server share one ``trio.run``; Ctrl-C or SIGTERM stops
 listening, cancels open requests (their streams end ``cancelled`` then
-``[DONE]``), and closes the engine.
+``[DONE]``), and closes the engine.  With ``--drain-timeout S`` above 0,
+SIGTERM drains first (``/health`` 503, new generation requests 503, running
+streams get up to S seconds: :mod:`afm_http._drain`); Ctrl-C, or a second
+signal, still stops at once.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a streaming response silent this long (queued or prefilling) gets "
                              "an SSE comment ': keepalive' (Anthropic's route: a ping event); "
                              "0: none (default: 10)")
+    parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=0.0, metavar="S",
+                        help="on SIGTERM (or POST /admin/drain), report not ready and refuse new "
+                             "generation requests at once, let running streams finish for up to S "
+                             "seconds, then cancel the rest; 0: SIGTERM cancels open streams at "
+                             "once (default: 0; behind a load balancer use e.g. 30)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-batch", type=_int_at_least(1), default=32,
                         help="streams decoded together (default: 32)")
@@ -133,8 +141,10 @@ async def _main(args: argparse.Namespace) -> None:
                           max_body_bytes=args.max_body_bytes,
                           responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
-                          keepalive_seconds=args.keepalive_seconds)
+                          keepalive_seconds=args.keepalive_seconds,
+                          drain_timeout=args.drain_timeout)
     stop = trio.Event()
+    drain = trio.Event()
 
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
                            prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
@@ -146,9 +156,14 @@ async def _main(args: argparse.Namespace) -> None:
                            embedding_pooling=args.embedding_pooling) as engine:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                binds = await nursery.start(lambda task_status: serve_engine(
-                    engine, host=args.host, port=args.port, server=server,
-                    shutdown_trigger=stop.wait, quiet=args.quiet, task_status=task_status))
+
+                async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+                    await serve_engine(engine, host=args.host, port=args.port, server=server,
+                                       shutdown_trigger=stop.wait, drain_trigger=drain.wait,
+                                       quiet=args.quiet, task_status=task_status)
+                    nursery.cancel_scope.cancel()  # (after a drain) stop waiting for signals
+
+                binds = await nursery.start(serve)
                 info = runtime_info()
                 isa = info.quantized_kernel
                 _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
@@ -157,7 +172,13 @@ async def _main(args: argparse.Namespace) -> None:
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
                      f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")
                 async for signum in signals:
-                    _say(f"{signal.Signals(signum).name}: shutting down")
+                    name = signal.Signals(signum).name
+                    if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
+                        _say(f"{name}: draining (open streams get up to {args.drain_timeout:g} s; "
+                             "a second signal stops at once)")
+                        drain.set()
+                        continue
+                    _say(f"{name}: shutting down")
                     stop.set()
                     break
 

@@ -17,7 +17,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from afm_core import Engine
 
 from ._app import create_app
-from ._state import ServerConfig
+from ._state import AppState, ServerConfig
 
 __all__ = ["GRACEFUL_SECONDS", "hypercorn_config", "serve_engine"]
 
@@ -100,25 +100,52 @@ def hypercorn_config(host: str = "127.0.0.1", port: int = 9999, *, quiet: bool =
 async def serve_engine(engine: Engine, *, host: str = "127.0.0.1", port: int = 9999,
                        server: ServerConfig | None = None,
                        shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+                       drain_trigger: Callable[[], Awaitable[Any]] | None = None,
                        quiet: bool = False,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``engine`` until cancelled or until ``shutdown_trigger()`` returns.
+    """Serve ``engine`` until cancelled or until a trigger ends it.
 
     ``task_status.started`` gets the bound URLs (``port=0`` picks a free port).
-    On the trigger, listening stops and every open request is cancelled, so
-    streams end with ``finish_reason: "cancelled"`` and ``[DONE]`` instead of
-    a cut connection; hypercorn then waits up to ``GRACEFUL_SECONDS``.
+    When ``shutdown_trigger()`` returns, listening stops and every open request
+    is cancelled, so streams end with ``finish_reason: "cancelled"`` and
+    ``[DONE]`` instead of a cut connection; hypercorn then waits up to
+    ``GRACEFUL_SECONDS``.  When ``drain_trigger()`` returns, the server drains
+    first (:mod:`afm_http._drain`: ``/health`` 503, new generation requests 503)
+    until its open requests ended or ``server.drain_timeout`` seconds passed,
+    then shuts down the same way; ``shutdown_trigger`` still ends a drain at
+    once.  An admin drain (``POST /admin/drain``) has its deadline kept here too.
     """
     app = create_app(engine, server)
+    state = app.afm_state
     trigger = None
-    if shutdown_trigger is not None:
-        user_trigger = shutdown_trigger
+    if shutdown_trigger is not None or drain_trigger is not None:
 
         async def trigger() -> None:
-            await user_trigger()
+            async with trio.open_nursery() as nursery:
+                if shutdown_trigger is not None:
+                    nursery.start_soon(_then_cancel, shutdown_trigger, nursery.cancel_scope)
+                if drain_trigger is not None:
+                    nursery.start_soon(_drain_then_cancel, drain_trigger, state, nursery.cancel_scope)
             n = app.afm_drain()
             if n:
                 log.info("shutdown: cancelled %d open request(s)", n)
 
-    await serve(app, hypercorn_config(host, port, quiet=quiet),  # type: ignore[arg-type]
-                shutdown_trigger=trigger, task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(state.draining.enforce, state.drain)
+        await serve(app, hypercorn_config(host, port, quiet=quiet),  # type: ignore[arg-type]
+                    shutdown_trigger=trigger, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+
+async def _then_cancel(wait: Callable[[], Awaitable[Any]], scope: trio.CancelScope) -> None:
+    await wait()
+    scope.cancel()
+
+
+async def _drain_then_cancel(wait: Callable[[], Awaitable[Any]], state: AppState,
+                             scope: trio.CancelScope) -> None:
+    await wait()
+    state.draining.start(state.config.drain_timeout, "shutdown")
+    with trio.move_on_at(state.draining.deadline):
+        await state.inflight.wait_empty()
+    scope.cancel()

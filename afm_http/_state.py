@@ -21,6 +21,7 @@ from afm_core.api.responses import ResponseWriter
 from afm_core.api.responses_store import DEFAULT_MAX_AGE, DEFAULT_MAX_RESPONSES, ResponseStore
 
 from ._body import MAX_DEPTH
+from ._drain import Drain
 from ._ids import InFlight
 
 if TYPE_CHECKING:
@@ -46,6 +47,10 @@ class ServerConfig:
     keepalive_seconds: float = 10.0
     """A streaming response silent this long (queued, or in a long prefill) gets an
     SSE comment ``: keepalive`` (Anthropic's route: a ``ping`` event); 0 sends none."""
+    drain_timeout: float = 0.0
+    """Once a drain began (SIGTERM under ``afm serve``, ``POST /admin/drain``), the seconds
+    running streams get to finish before the rest are cancelled; on SIGTERM, 0 cancels
+    them at once (the behaviour without a drain).  See :mod:`afm_http._drain`."""
 
 
 @dataclass(eq=False, slots=True)
@@ -67,6 +72,8 @@ class AppState:
     config: ServerConfig
     inflight: InFlight = field(default_factory=InFlight)
     """Request ids this app has open with the engine (cancelled at shutdown)."""
+    draining: Drain = field(default_factory=Drain)
+    """Whether this replica is draining (``/health`` 503, new generation requests 503)."""
     statuses: Counter[int] = field(default_factory=Counter)
     """Responses sent, by status code (for ``/metrics``)."""
     responses: ResponseStore = field(init=False)

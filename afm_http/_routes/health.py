@@ -1,16 +1,34 @@
-"""``GET /health`` (liveness, load and compute back-ends; 503 if the
-generation thread died) and ``GET /metrics`` (Prometheus text)."""
+"""Readiness and operations: ``GET /health``, ``GET /metrics``, ``/admin/drain``.
+
+``GET /health`` (liveness, load and compute back-ends) is what a load
+balancer checks: 200 when ready; 503 with ``"status": "unavailable"`` if the
+generation thread died, or ``"status": "draining"`` (and the drain's reason
+and time left) while the replica drains.  ``GET /metrics`` is Prometheus text.
+
+``POST /admin/drain`` (body optional: ``{"timeout": S}``, default
+``--drain-timeout``) begins a drain (:mod:`afm_http._drain`) and answers with
+its status; ``DELETE /admin/drain`` ends one begun that way (a shutdown's
+drain cannot be ended: 409).  Both need the API key when one is set.  The
+readiness gate registered here (:func:`refuse_while_draining`, run after
+the middleware's id and key checks) answers new generation requests 503
+while the replica drains.
+"""
 
 from __future__ import annotations
 
-from quart import Response
+import math
 
-from afm_core import runtime_info
+from quart import Response, request
+
+from afm_core import RequestError, runtime_info
 
 from .. import _metrics
 from .._asgi import AFMQuart
+from .._drain import GENERATION_PATHS, RETRY_AFTER_SECONDS
+from .._errors import api_for_path, error_response
 from .._json import json_response
-from .._state import current_state
+from .._request import read_json
+from .._state import AppState, current_state
 
 __all__ = ["register"]
 
@@ -18,22 +36,76 @@ __all__ = ["register"]
 def register(app: AFMQuart) -> None:
     app.get("/health")(health)
     app.get("/metrics")(metrics)
+    app.post("/admin/drain")(drain_start)
+    app.delete("/admin/drain")(drain_stop)
+    app.before_request(refuse_while_draining)
 
 
 async def health() -> Response:
-    engine = current_state().engine
+    state = current_state()
+    engine = state.engine
     stats = engine.statistics()
     ok = engine.healthy
+    drain = state.draining.status()
     info = runtime_info()
-    return json_response({"status": "ok" if ok else "unavailable", "model": engine.model_id,
+    status = "unavailable" if not ok else "draining" if drain is not None else "ok"
+    return json_response({"status": status, "model": engine.model_id,
                           "running": stats.running, "waiting": stats.waiting,
+                          "requests_active": stats.requests_active, "inflight": len(state.inflight),
+                          "draining": None if drain is None else drain.to_dict(),
                           "blas": info.blas, "quantized_kernel": info.quantized_kernel,
                           "compiled": info.compiled},
-                         status=200 if ok else 503)
+                         status=200 if status == "ok" else 503)
 
 
 async def metrics() -> Response:
     state = current_state()
     engine = state.engine
-    text = _metrics.render(engine.statistics(), engine.model_id, dict(state.statuses))
+    text = _metrics.render(engine.statistics(), engine.model_id, dict(state.statuses),
+                           draining=state.draining.active, inflight=len(state.inflight))
     return Response(text, content_type=_metrics.CONTENT_TYPE)
+
+
+def _drain_body(state: AppState) -> dict[str, object]:
+    drain = state.draining.status()
+    return {"draining": drain is not None, "inflight": len(state.inflight),
+            **({} if drain is None else drain.to_dict())}
+
+
+async def drain_start() -> Response:
+    state = current_state()
+    timeout = state.config.drain_timeout
+    if request.content_length or request.headers.get("Transfer-Encoding"):
+        body = await read_json()
+        if not isinstance(body, dict) or set(body) - {"timeout"}:
+            raise RequestError("the body must be {} or {\"timeout\": seconds}", param="timeout")
+        value = body.get("timeout", timeout)
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not 0 <= value < math.inf:
+            raise RequestError("timeout must be a number of seconds >= 0", param="timeout")
+        timeout = float(value)
+    state.draining.start(timeout, "admin")
+    return json_response(_drain_body(state), 202)
+
+
+async def drain_stop() -> Response:
+    state = current_state()
+    if state.draining.shutting_down:
+        return error_response(409, "this server is shutting down: its drain cannot be ended",
+                              code="shutting_down")
+    state.draining.resume()
+    return json_response(_drain_body(state))
+
+
+async def refuse_while_draining() -> Response | None:
+    """While draining, a new generation request gets 503 (its API's envelope) and
+    ``Retry-After``; everything else goes on (cancel above all)."""
+    state = current_state()
+    if not state.draining.active or request.method != "POST" or request.path not in GENERATION_PATHS:
+        return None
+    what = "shutting down" if state.draining.shutting_down else "draining (out of rotation)"
+    return error_response(503, f"this server is {what} and takes no new requests: retry "
+                               "(through the load balancer, another replica answers)",
+                          type="server_error", code="draining",
+                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                          api=api_for_path(request.path))
