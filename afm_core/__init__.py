@@ -10,7 +10,10 @@ from ._mlx import blas as _blas
 _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 
 from ._engine.commands import PromptLogprobs as PromptLogprobs
+from ._engine.config import DistributedConfig as DistributedConfig
 from ._engine.config import EngineConfig as EngineConfig
+from ._engine.distributed import init_distributed as init_distributed
+from ._engine.distributed import run_follower as run_follower
 from ._engine.engine import ChatStream as ChatStream
 from ._engine.engine import Embeddings as Embeddings
 from ._engine.engine import Engine as Engine
@@ -20,6 +23,7 @@ from ._engine.runtime import RuntimeInfo as RuntimeInfo
 from ._engine.runtime import runtime_info as runtime_info
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError
+from ._errors import DistributedError as DistributedError
 from ._errors import DuplicateRequestError as DuplicateRequestError
 from ._errors import EngineBusyError as EngineBusyError
 from ._errors import EngineClosedError as EngineClosedError
@@ -75,6 +79,8 @@ __all__ = [
     "ContentDelta",
     "ContextLengthError",
     "DecoderTables",
+    "DistributedConfig",
+    "DistributedError",
     "DuplicateRequestError",
     "Embeddings",
     "Engine",
@@ -114,9 +120,11 @@ __all__ = [
     "accumulate",
     "convert_gguf",
     "guess_tool_format",
+    "init_distributed",
     "make_structured_output",
     "make_tool_tracker",
     "open_engine",
     "resolve_model",
+    "run_follower",
     "runtime_info",
 ]

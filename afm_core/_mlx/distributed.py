@@ -18,10 +18,12 @@ Two things here make each rank's batch identical, step after step:
   the next step.  A follower's zeros are computed from its own logits
   (``argmax * 0``), so its whole forward pass, collectives included, is in
   the graph it evaluates.
-* **Every sampling goes through that batch.**  mlx-lm samples a row's first
-  token when its prefill ends, in a plain ``GenerationBatch`` built by the
-  prompt batch's ``generate``; :class:`ShardedPromptBatch` builds the sharded
-  batch there instead.
+* **The first token too.**  mlx-lm samples a row's first token when its
+  prefill ends, in a plain ``GenerationBatch`` built by the prompt batch's
+  ``generate`` (the leader with the request's sampler and processors, a
+  follower greedily); :class:`ShardedPromptBatch` replaces that batch's
+  sampled tokens with the leader's, shared the same way, before anything
+  reads them.
 
 :func:`sharded_generator` builds an ``EngineBatchGenerator`` (see
 :mod:`.prefill`) with both.  Everything else about the batch (scheduling,
@@ -37,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
 
 from .batch import EngineGenerationBatch
 from .prefill import EngineBatchGenerator, EnginePromptBatch
@@ -45,55 +46,46 @@ from .prefill import EngineBatchGenerator, EnginePromptBatch
 __all__ = ["ShardedGenerationBatch", "ShardedPromptBatch", "sharded_generator"]
 
 
+def share(tokens: mx.array, group: Any, leader: bool) -> mx.array:
+    """The leader's ``tokens`` on every rank: an ``all_sum`` to which the
+    other ranks add zeros computed from their own ``tokens`` (so what produced
+    them, the forward pass and its collectives, stays in their graph)."""
+    return mx.distributed.all_sum(tokens if leader else tokens * 0, group=group)
+
+
 class ShardedGenerationBatch(EngineGenerationBatch):
     """The engine's decode batch sampling on the leader only (see the module
     docstring).  Subclassed per generator by :func:`sharded_generator`, which
-    sets the three class attributes (mlx-lm steps a new batch inside its
-    ``__init__``, before an instance attribute could be set)."""
+    sets the class attributes."""
 
     group: Any = None
     """The ``mx.distributed.Group`` the model is sharded over."""
     leader: bool = False
     """This rank samples (rank 0)."""
-    shared_logprob_uids: set[int] = set()
-    """The generator's ``logprob_uids``, for the batches the prompt batch builds."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        self.logprob_uids = self.shared_logprob_uids
-        super().__init__(*args, **kw)
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         if self.leader:
-            mine = super()._sample(logprobs)
-        else:
-            mine = mx.argmax(logprobs, axis=-1) * 0
-        return mx.distributed.all_sum(mine, group=self.group)
+            return share(super()._sample(logprobs), self.group, True)
+        return share(mx.argmax(logprobs, axis=-1), self.group, False)
 
 
 class ShardedPromptBatch(EnginePromptBatch):
-    """The engine's prompt batch handing its rows to a :class:`ShardedGenerationBatch`."""
+    """The engine's prompt batch whose rows' first tokens are the leader's.
 
-    batch_class: type[ShardedGenerationBatch] = ShardedGenerationBatch
+    The batch of rows whose prefill ends, built by ``generate``, is mlx-lm's
+    own ``GenerationBatch``: it samples each row's first token as soon as it
+    is made (the leader with the requests' samplers and processors, a
+    follower with none); that token, ``_next_tokens``, is replaced by the
+    leader's before anything reads it."""
 
-    def generate(self, tokens: list[list[int]]) -> ShardedGenerationBatch:
-        """``EnginePromptBatch.generate`` with the sharded batch class (the first
-        token of each row is sampled there)."""
-        if any(len(t) > 1 for t in tokens):
-            self.prompt([t[:-1] for t in tokens])
-        batch = self.batch_class(
-            self.model,
-            self.uids,
-            mx.array([t[-1] for t in tokens]),
-            _merge_caches(self.rows),
-            self.tokens,
-            self.samplers,
-            self.fallback_sampler,
-            self.logits_processors,
-            self.stop_sequences,
-            self.max_tokens,
-        )
-        self.uids, self.rows, self.tokens = [], [], []
-        self.samplers, self.logits_processors, self.max_tokens, self.stop_sequences = [], [], [], []
+    group: Any = None
+    leader: bool = False
+
+    def generate(self, tokens: list[list[int]]) -> Any:
+        batch = super().generate(tokens)
+        if batch._next_tokens is not None:
+            batch._next_tokens = share(batch._next_tokens, self.group, self.leader)
+            mx.async_eval(batch._next_tokens)
         return batch
 
 
@@ -104,20 +96,22 @@ def sharded_generator(model: Any, *, group: Any, leader: bool, logprob_uids: set
     batches sample on the leader and share the tokens over ``group``; ``kw``
     are ``generator_class``'s.  ``shared``, if given, makes the generator's
     ``shared`` set (called with the generator)."""
-    batch_class: type[ShardedGenerationBatch] = type(
-        "ShardedGenerationBatch", (ShardedGenerationBatch,),
-        {"group": group, "leader": leader, "shared_logprob_uids": logprob_uids})
-    prompt_class = type("ShardedPromptBatch", (ShardedPromptBatch,), {"batch_class": batch_class})
+    where = {"group": group, "leader": leader}
+    batch_class: type[ShardedGenerationBatch] = type("ShardedGenerationBatch", (ShardedGenerationBatch,), where)
+    prompt_class = type("ShardedPromptBatch", (ShardedPromptBatch,), where)
 
     class _Sharded(generator_class):  # type: ignore[valid-type,misc]  # a class given at run time
         def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **more: Any) -> EnginePromptBatch:
-            return prompt_class(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
-                                fallback_sampler=self.sampler, scores=self.prompt_scores, **more)
+            batch = super()._new_prompt_batch(uids, caches, **more)
+            # the same object as the engine's prompt batch, with ShardedPromptBatch's generate
+            batch.__class__ = prompt_class
+            return batch
 
     _Sharded.__name__ = _Sharded.__qualname__ = f"Sharded{generator_class.__name__}"
     gen = _Sharded(model, logprob_uids=logprob_uids, **kw)
     # the decode batch install() put in, swapped for the sharded one while empty
     batch = batch_class.empty(gen.model, gen.sampler)
+    batch.logprob_uids = logprob_uids
     gen._generation_batch = batch
     if shared is not None:
         gen.shared = shared(gen)
