@@ -73,13 +73,10 @@ APIS: dict[str, Callable[[Sequence[tuple[Any, ...]]], int]] = {
     "chat": chat, "completions": legacy, "messages": messages, "responses": resp}
 
 
-def best(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    return float(min(times))
+def elapsed_ns(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter_ns()
+    fn()
+    return float(time.perf_counter_ns() - start)
 
 
 def main() -> None:
@@ -93,7 +90,7 @@ def main() -> None:
     rounds: dict[str, list[float]] = {name: [] for name in APIS}
     for _ in range(args.repeat):
         for name, fn in APIS.items():
-            rounds[name].append(best(lambda fn=fn: fn(batches), 1))
+            rounds[name].append(elapsed_ns(lambda fn=fn: fn(batches)))
     base = min(rounds["chat"]) / args.tokens
     step = f"% of {args.step_ms:g}ms step"
     print(f"{'api':<12} {'us/token':>9} {'vs chat':>8} {step:>15} {'% of 1ms step':>14} {'bytes':>8}")
