@@ -80,6 +80,7 @@ MAX_ITEMS_PAGE = 100
 
 def register(app: AFMQuart) -> None:
     app.post("/v1/responses")(responses_create)
+    app.post("/v1/responses/input_tokens")(responses_input_tokens)
     app.get("/v1/responses/<response_id>")(responses_retrieve)
     app.delete("/v1/responses/<response_id>")(responses_delete)
     app.post("/v1/responses/<response_id>/cancel")(responses_cancel)
@@ -117,6 +118,15 @@ async def responses_create() -> Response:
                      keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
+
+
+async def responses_input_tokens() -> Response:
+    """``POST /v1/responses/input_tokens`` (the SDK's ``responses.input_tokens.count``):
+    the prompt tokens a ``responses.create`` with this body would start from."""
+    state = current_state()
+    call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
+    ids = await state.engine.tokenize_chat(call.chat)
+    return json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
 def _previous(state: AppState, response_id: str) -> StoredResponse | None:

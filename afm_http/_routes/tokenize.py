@@ -1,13 +1,19 @@
-"""``POST /tokenize`` and ``POST /detokenize``, as llama.cpp's server has them.
+"""``POST /tokenize`` and ``POST /detokenize``, as llama.cpp's server has them,
+and ``POST /v1/chat/completions/count_tokens``.
 
 The bodies and answers are :mod:`afm_core.api.tokenize`'s; bad input is a 400
-with the OpenAI error envelope.
+with the OpenAI error envelope.  ``count_tokens`` takes a chat completion body
+(validated as the chat route does) and answers ``{"input_tokens": N}``, the
+prompt tokens of its messages and tools through the chat template, as
+Anthropic's ``/v1/messages/count_tokens`` and OpenAI's
+``/v1/responses/input_tokens`` count theirs.
 """
 
 from __future__ import annotations
 
 from quart import Response
 
+from afm_core import ChatRequest
 from afm_core.api import tokenize as api
 
 from .._asgi import AFMQuart
@@ -21,6 +27,7 @@ __all__ = ["register"]
 def register(app: AFMQuart) -> None:
     app.post("/tokenize")(tokenize_text)
     app.post("/detokenize")(detokenize_tokens)
+    app.post("/v1/chat/completions/count_tokens")(count_chat_tokens)
 
 
 async def tokenize_text() -> Response:
@@ -39,3 +46,9 @@ async def tokenize_text() -> Response:
 async def detokenize_tokens() -> Response:
     tokens = api.parse_detokenize(await read_json())
     return json_response({"content": await current_state().engine.detokenize(tokens)})
+
+
+async def count_chat_tokens() -> Response:
+    chat = ChatRequest.from_openai(await read_json())
+    ids = await current_state().engine.tokenize_chat(chat)
+    return json_response({"input_tokens": len(ids)})

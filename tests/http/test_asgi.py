@@ -66,10 +66,12 @@ async def test_route_table(echo_model_dir: Path) -> None:
     assert rules == {
         ("/v1/chat/completions", post),
         ("/v1/chat/completions/<path:target>/cancel", post),
+        ("/v1/chat/completions/count_tokens", post),
         ("/v1/completions", post),
         ("/v1/messages", post),
         ("/v1/messages/count_tokens", post),
         ("/v1/responses", post),
+        ("/v1/responses/input_tokens", post),
         ("/v1/responses/<response_id>", get),
         ("/v1/responses/<response_id>", delete),
         ("/v1/responses/<response_id>/cancel", post),
@@ -81,6 +83,8 @@ async def test_route_table(echo_model_dir: Path) -> None:
         ("/v1/models/<path:model_id>", get),
         ("/health", get),
         ("/metrics", get),
+        ("/admin/drain", post),
+        ("/admin/drain", delete),
         ("/", get),
         ("/ui/<name>", get),
     }

@@ -62,6 +62,33 @@ async def test_messages_count_what_a_chat_request_prompts(echo_model_dir: Path) 
         assert usage["prompt_tokens"] == len(ids)
         r = await c.post("/tokenize", json={**chat, "with_pieces": True})
         assert [t["id"] for t in r.json()["tokens"]] == ids
+        r = await c.post("/v1/chat/completions/count_tokens", json=chat)
+        assert r.status_code == 200 and r.json() == {"input_tokens": len(ids)}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        with_tools = (await c.post("/v1/chat/completions/count_tokens", json={**chat, "tools": tools})).json()
+        assert with_tools["input_tokens"] == len(await engine.tokenize_chat({**chat, "tools": tools}))
+        r = await c.post("/v1/chat/completions/count_tokens", json={"messages": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+async def test_the_openai_sdk_counts_response_input_tokens(echo_model_dir: Path) -> None:
+    import openai
+
+    async with running_server(echo_model_dir) as (url, engine):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        counted = await client.responses.input_tokens.count(model="m", input="count me",
+                                                            instructions="be brief")
+        assert counted.object == "response.input_tokens"
+        created = await client.responses.create(model="m", input="count me", instructions="be brief",
+                                                max_output_tokens=4)
+        assert counted.input_tokens == created.usage.input_tokens > 0
+        # previous_response_id counts the stored conversation too
+        more = await client.responses.input_tokens.count(model="m", input="and me",
+                                                         previous_response_id=created.id)
+        assert more.input_tokens > counted.input_tokens
+        with pytest.raises(openai.BadRequestError):
+            await client.responses.input_tokens.count(model="m", input=[{"type": "nope"}])
+        await client.close()
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
