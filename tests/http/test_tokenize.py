@@ -74,7 +74,7 @@ async def test_messages_count_what_a_chat_request_prompts(echo_model_dir: Path) 
 async def test_the_openai_sdk_counts_response_input_tokens(echo_model_dir: Path) -> None:
     import openai
 
-    async with running_server(echo_model_dir) as (url, engine):
+    async with running_server(echo_model_dir) as (url, _):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         counted = await client.responses.input_tokens.count(model="m", input="count me",
                                                             instructions="be brief")
