@@ -42,17 +42,24 @@ def token_bytes(choice: dict[str, Any]) -> list[tuple[int, ...]]:
     return [tuple(t["bytes"]) for t in (choice.get("logprobs") or {}).get("content") or []]
 
 
-async def reference(model: Path, bodies: list[dict[str, Any]], **settings: Any) -> list[list[tuple[int, ...]]]:
-    """Each request's tokens from one process, all requests sent together."""
-    out: dict[int, list[tuple[int, ...]]] = {}
-    async with open_engine(model, warmup=False, **{**SETTINGS, **settings}) as engine:
-        async def one(i: int, b: dict[str, Any]) -> None:
-            out[i] = token_bytes((await engine.complete(b))["choices"][0])
+async def reference(model: Path, waves: list[list[dict[str, Any]]],
+                    embed: list[str] | None = None) -> tuple[list[list[list[tuple[int, ...]]]], Any]:
+    """Each request's tokens from one process, each wave's requests sent
+    together; and ``embed``'s vectors."""
+    done: list[list[list[tuple[int, ...]]]] = []
+    async with open_engine(model, warmup=False, **SETTINGS) as engine:
+        for bodies in waves:
+            out: dict[int, list[tuple[int, ...]]] = {}
 
-        async with trio.open_nursery() as nursery:
-            for i, b in enumerate(bodies):
-                nursery.start_soon(one, i, b)
-    return [out[i] for i in range(len(bodies))]
+            async def one(i: int, b: dict[str, Any]) -> None:
+                out[i] = token_bytes((await engine.complete(b))["choices"][0])  # noqa: B023
+
+            async with trio.open_nursery() as nursery:
+                for i, b in enumerate(bodies):
+                    nursery.start_soon(one, i, b)
+            done.append([out[i] for i in range(len(bodies))])
+        vectors = (await engine.embed(embed)).vectors if embed else None
+    return done, vectors
 
 
 async def stream(c: httpx.AsyncClient, payload: dict[str, Any], headers: dict[str, str] | None = None,
@@ -95,7 +102,9 @@ def tp_group(group_factory: Any, tp_model_dir: Path) -> Group:
 
 async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir: Path) -> None:
     bodies = [body(p, 12 + 4 * i) for i, p in enumerate(PROMPTS)]
-    want = await reference(tp_model_dir, bodies)
+    long = body("tell " * 60, 8)
+    texts = ["hello world", "other"]
+    (want, [solo]), vectors = await reference(tp_model_dir, [bodies, [long]], texts)
     assert all(len(w) == b["max_tokens"] for w, b in zip(want, bodies, strict=True))
     assert len({w[0] for w in want}) > 1  # the model's answers differ: a real comparison
     async with httpx.AsyncClient(base_url=tp_group.url, timeout=60) as c:
@@ -107,7 +116,6 @@ async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir
         assert token_bytes(again["choices"][0]) == want[0]
 
         # a shared prefill: the second request waits for the first one's prefill of the same prompt
-        long = body("tell " * 120, 8)
         second: dict[str, Any] = {}
 
         async def when_prefilling(chunk: Any, n: int) -> None:
@@ -124,7 +132,6 @@ async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir
                                     on_chunk=when_prefilling)
         reply = second["reply"]
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == reply["usage"]["prompt_tokens"] - 1
-        [solo] = await reference(tp_model_dir, [long])
         assert first == solo and token_bytes(reply["choices"][0]) == solo
 
         # cancel through rank 0: the stream ends cancelled, both ranks drop the row
@@ -133,16 +140,14 @@ async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir
                 r = await c.post(f"{CHAT}/dist-cancel-1/cancel")
                 assert r.status_code == 200
 
-        chunks, _ = await stream(c, body("go on", 2000), {"X-Request-ID": "dist-cancel-1"}, cancel_after)
+        chunks, _ = await stream(c, body("go on", 500), {"X-Request-ID": "dist-cancel-1"}, cancel_after)
         assert chunks[-1] is None and chunks[-2]["choices"][0]["finish_reason"] == "cancelled"
         # and the ranks are still in step
         assert await concurrently(c, bodies[:2]) == want[:2]
 
         # embeddings run the sharded body on every rank
-        got = (await c.post("/v1/embeddings", json={"input": ["hello world", "other"]})).json()
-        async with open_engine(tp_model_dir, warmup=False, **SETTINGS) as engine:
-            ref = await engine.embed(["hello world", "other"])
-        for item, vector in zip(got["data"], ref.vectors, strict=True):
+        got = (await c.post("/v1/embeddings", json={"input": texts})).json()
+        for item, vector in zip(got["data"], vectors, strict=True):
             assert item["embedding"] == pytest.approx(vector, abs=1e-4)
         assert (await c.get("/health")).status_code == 200
     assert tp_group.stop() == [0, 0]  # rank 0's SIGTERM stops the follower too
@@ -150,7 +155,7 @@ async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir
 
 async def test_pipeline_parallel_matches_one_process(group_factory: Any, pp_model_dir: Path) -> None:
     bodies = [body(p, 16) for p in PROMPTS[:3]]
-    want = await reference(pp_model_dir, bodies)
+    [want], _ = await reference(pp_model_dir, [bodies])
     assert len({w[0] for w in want}) > 1
     group: Group = group_factory(pp_model_dir, "pipeline", *FLAGS, "--distributed-timeout", "10",
                                  "--no-warmup")
