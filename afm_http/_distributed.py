@@ -14,14 +14,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from afm_core import (
-    DistributedConfig,
-    DistributedError,
-    EngineConfig,
-    init_distributed,
-    run_follower,
-)
+if TYPE_CHECKING:  # afm_core is imported when used: ``afm serve --help`` stays quick
+    from afm_core import DistributedConfig
 
 __all__ = ["add_arguments", "config_from", "follow"]
 
@@ -75,6 +71,8 @@ def config_from(args: argparse.Namespace) -> DistributedConfig | None:
     """Rank 0's ``EngineConfig.distributed`` from the flags (None without ``--distributed``)."""
     if not getattr(args, "distributed", None):
         return None
+    from afm_core import DistributedConfig
+
     return DistributedConfig(mode=args.distributed, backend=args.distributed_backend,
                              timeout=args.distributed_timeout, heartbeat=args.distributed_heartbeat,
                              exit_after=args.distributed_exit_after)
@@ -87,6 +85,8 @@ def follow(args: argparse.Namespace) -> int | None:
     distributed = config_from(args)
     if distributed is None:
         return None
+    from afm_core import DistributedError, EngineConfig, init_distributed, run_follower
+
     try:
         rank, size = init_distributed(distributed.backend)
     except DistributedError as exc:

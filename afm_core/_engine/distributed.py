@@ -136,7 +136,10 @@ def load(path: Path, distributed: DistributedConfig | None) -> tuple[Any, Any, M
         return loader.load(path)
     from .._models.sharded import load_sharded
 
-    return load_sharded(path, distributed.mode, init_group(distributed.backend))
+    group = init_group(distributed.backend)
+    if group.rank() != 0:
+        raise DistributedError(f"rank {group.rank()} runs afm_core.run_follower; only rank 0 runs the engine")
+    return load_sharded(path, distributed.mode, group)
 
 
 def worker_factory(distributed: DistributedConfig | None) -> Callable[..., Worker]:
