@@ -6,7 +6,9 @@ Trio-aware core code), turning a validated request into a generation job
 Trio (:mod:`.mailbox`), the generation thread that owns MLX and mlx-lm's
 continuous batcher (:mod:`.genthread`, :mod:`.worker`), the commands and
 per-request records that cross between the two threads (:mod:`.commands`),
-sampling, grammar masks and profile recording.
+sampling, grammar masks and profile recording, and one model sharded over
+several hosts (:mod:`.distributed`: rank 0's worker journals and broadcasts
+its batch operations, the other ranks follow).
 
 May import: :mod:`afm_core._stream`, :mod:`afm_core._models`,
 :mod:`afm_core._mlx`, :mod:`afm_core._errors`, trio, mlx and mlx-lm's public

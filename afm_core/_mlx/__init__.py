@@ -9,8 +9,10 @@ ask: ``PromptScores``), the prefix-cache index over mlx-lm's ``PromptTrie``
 (:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
 (:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
 Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`),
-and embeddings pooled from the model body's final hidden states
-(:mod:`.embeddings`, which calls mlx-lm's ``model.model``).
+embeddings pooled from the model body's final hidden states
+(:mod:`.embeddings`, which calls mlx-lm's ``model.model``), and the batch
+generator of a model sharded over an ``mx.distributed`` group, whose tokens
+are sampled on rank 0 and shared (:mod:`.distributed`).
 
 **The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
 ``mlx==0.32.4`` exactly, because the modules here subclass or read private
