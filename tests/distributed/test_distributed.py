@@ -102,6 +102,8 @@ def tp_group(group_factory: Any, tp_model_dir: Path) -> Group:
 
 async def test_tensor_parallel_matches_one_process(tp_group: Group, tp_model_dir: Path) -> None:
     bodies = [body(p, 12 + 4 * i) for i, p in enumerate(PROMPTS)]
+    # sampled with a seed: rank 0's sampler decides, the follower takes its tokens
+    bodies.append(body("seeded", 12, temperature=1.0, top_p=0.9, seed=3))
     long = body("tell " * 60, 8)
     texts = ["hello world", "other"]
     (want, [solo]), vectors = await reference(tp_model_dir, [bodies, [long]], texts)
