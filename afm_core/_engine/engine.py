@@ -286,15 +286,16 @@ class Engine:
 
         def thread_main() -> None:
             from .._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
-            from .._models import loader as _loader
+            from . import distributed as _distributed
 
             nonlocal startup
             try:
-                model, tokenizer, info = _loader.load(path)
+                # the whole model, or (EngineConfig.distributed) rank 0's shard of it
+                model, tokenizer, info = _distributed.load(path, self.config.distributed)
                 if self.config.cpu_fusion:
                     fuse_for_cpu(model)
                 tables = DecoderTables.from_tokenizer(tokenizer)
-                worker = Worker(
+                worker = _distributed.worker_factory(self.config.distributed)(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
