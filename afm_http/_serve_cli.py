@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bind address (default: 127.0.0.1, loopback only)")
     parser.add_argument("--port", type=_port, default=9999, help="TCP port (0: any free port)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route but /health")
+                        help="require 'Authorization: Bearer KEY' on every route but /health and "
+                             "the chat page's own files (the page sends the key it is given)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
     parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=8 << 20,
@@ -85,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a streaming response silent this long (queued or prefilling) gets "
                              "an SSE comment ': keepalive' (Anthropic's route: a ping event); "
                              "0: none (default: 10)")
+    parser.add_argument("--no-ui", action="store_true",
+                        help="do not serve the chat page at / (then 404)")
     parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=0.0, metavar="S",
                         help="on SIGTERM (or POST /admin/drain), report not ready and refuse new "
                              "generation requests at once, let running streams finish for up to S "
@@ -142,7 +145,7 @@ async def _main(args: argparse.Namespace) -> None:
                           responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           keepalive_seconds=args.keepalive_seconds,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout, ui=not args.no_ui)
     stop = trio.Event()
     drain = trio.Event()
 
@@ -170,7 +173,8 @@ async def _main(args: argparse.Namespace) -> None:
                      f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
                 auth = ", API key required" if args.api_key else ""
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
-                     f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}")
+                     f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
+                     + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():

@@ -51,6 +51,8 @@ class ServerConfig:
     """Once a drain began (SIGTERM under ``afm serve``, ``POST /admin/drain``), the seconds
     running streams get to finish before the rest are cancelled; on SIGTERM, 0 cancels
     them at once (the behaviour without a drain).  See :mod:`afm_http._drain`."""
+    ui: bool = True
+    """Serve the chat page at ``GET /`` (``afm serve --no-ui``: off, ``/`` is then 404)."""
 
 
 @dataclass(eq=False, slots=True)
