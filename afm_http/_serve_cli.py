@@ -19,6 +19,8 @@ from typing import Any
 
 import trio
 
+from . import _distributed
+
 
 def _int_at_least(lo: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
@@ -116,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
     parser.add_argument("--quiet", action="store_true", help="no access log")
+    _distributed.add_arguments(parser)
 
 
 def describe_blas(blas: Mapping[str, Any]) -> str:
@@ -156,7 +159,8 @@ async def _main(args: argparse.Namespace) -> None:
                            grammar=not args.no_grammar,
                            warmup=not args.no_warmup,
                            cpu_fusion=not args.no_cpu_fusion,
-                           embedding_pooling=args.embedding_pooling) as engine:
+                           embedding_pooling=args.embedding_pooling,
+                           distributed=_distributed.config_from(args)) as engine:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
@@ -197,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean shutdown, 1 when the server cannot start."""
     from afm_core import AFMError
 
+    if (status := _distributed.follow(args)) is not None:
+        return status  # a rank other than 0 of --distributed: it followed rank 0's steps
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     status = 0
     try:
