@@ -242,6 +242,15 @@ class Engine:
         """Running, with a live generation thread."""
         return not self._closed and self._worker is not None and self._worker.fatal is None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve (its generation thread's fatal error, or
+        that it is not running); None while :attr:`healthy`."""
+        if self._closed or self._worker is None:
+            return "the engine is not running"
+        fatal = self._worker.fatal
+        return None if fatal is None else f"{type(fatal).__name__}: {fatal}"
+
     def _info(self) -> ModelInfo:
         if self.info is None:
             raise EngineClosedError("the engine is not running")

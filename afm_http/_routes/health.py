@@ -1,8 +1,9 @@
 """Readiness and operations: ``GET /health``, ``GET /metrics``, ``/admin/drain``.
 
 ``GET /health`` (liveness, load and compute back-ends) is what a load
-balancer checks: 200 when ready; 503 with ``"status": "unavailable"`` if the
-generation thread died, or ``"status": "draining"`` (and the drain's reason
+balancer checks: 200 when ready; 503 with ``"status": "unavailable"`` (and
+the reason in ``"error"``) if the generation thread died (or, under
+``--distributed``, lost another rank), or ``"status": "draining"`` (and the drain's reason
 and time left) while the replica drains.  ``GET /metrics`` is Prometheus text.
 
 ``POST /admin/drain`` (body optional: ``{"timeout": S}``, default
@@ -53,6 +54,7 @@ async def health() -> Response:
                           "running": stats.running, "waiting": stats.waiting,
                           "requests_active": stats.requests_active, "inflight": len(state.inflight),
                           "draining": None if drain is None else drain.to_dict(),
+                          "error": engine.failure,
                           "blas": info.blas, "quantized_kernel": info.quantized_kernel,
                           "compiled": info.compiled},
                          status=200 if status == "ok" else 503)

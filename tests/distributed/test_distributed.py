@@ -208,6 +208,7 @@ async def test_lost_follower_ends_open_streams_with_an_error(group_factory: Any,
         assert "distributed group" in error["message"]
         health = await c.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert "distributed group" in health.json()["error"]  # the reason, not only the status
         refused = await c.post(CHAT, json=body("hi", 4))
         assert refused.status_code == 503 and "distributed group" in refused.json()["error"]["message"]
     if how == "frozen":
@@ -223,4 +224,5 @@ async def test_follower_lost_while_idle_turns_health_503(group_factory: Any, tp_
         with trio.fail_after(15):  # the idle heartbeat notices (0.2 s here; the timeout bounds a hang)
             while (await c.get("/health")).status_code == 200:
                 await trio.sleep(0.05)
-        assert (await c.get("/health")).json()["status"] == "unavailable"
+        health = (await c.get("/health")).json()
+        assert health["status"] == "unavailable" and "distributed group" in health["error"]

@@ -184,8 +184,10 @@ async def test_routes_auth_limits_and_ids(echo_model_dir: Path) -> None:
         assert health.status_code == 200 and health.json()["blas"] == info.blas
         assert health.json()["quantized_kernel"] == info.quantized_kernel  # None: MLX's kernel
         assert health.json()["compiled"] == info.compiled
-        assert list(health.json()) == ["status", "model", "running", "waiting", "blas",
-                                       "quantized_kernel", "compiled"]
+        assert list(health.json()) == ["status", "model", "running", "waiting", "requests_active",
+                                       "inflight", "draining", "error", "blas", "quantized_kernel",
+                                       "compiled"]
+        assert health.json()["error"] is None and health.json()["draining"] is None
         for path in ("/v1/models", "/metrics"):
             r = await c.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
