@@ -18,8 +18,11 @@ from ._state import AppState, ServerConfig
 __all__ = ["ServerConfig", "create_app"]
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
-    """The ASGI app serving ``engine`` (run it with hypercorn's trio worker)."""
+def create_app(engine: Engine, config: ServerConfig | None = None, *,
+               embedder: Engine | None = None) -> AFMQuart:
+    """The ASGI app serving ``engine`` (run it with hypercorn's trio worker);
+    ``embedder``, when given, answers ``/v1/embeddings`` instead of ``engine``
+    (``afm serve --embedding-model``)."""
     cfg = config or ServerConfig()
     app = AFMQuart("afm")
     app.config.update(
@@ -28,7 +31,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> AFMQuart:
         BODY_TIMEOUT=cfg.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    app.afm_state = AppState(engine, cfg)
+    app.afm_state = AppState(engine, cfg, embedder=embedder)
     install(app)
     for register in ROUTES:
         register(app)

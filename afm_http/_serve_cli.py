@@ -14,12 +14,17 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from . import _distributed
+
+if TYPE_CHECKING:
+    from afm_core import Engine
 
 
 def _int_at_least(lo: int) -> Callable[[str], int]:
@@ -117,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on MLX's CPU backend, keep mlx-lm's own norm, rotary and linear layers")
     engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
+    engine.add_argument("--embedding-model", default=None, metavar="M",
+                        help="answer /v1/embeddings with this model (an mlx-lm directory, a .gguf "
+                             "or a hub id, e.g. a Qwen3-Embedding conversion with "
+                             "--embedding-pooling last) on its own generation thread; default: "
+                             "the served model")
     parser.add_argument("--quiet", action="store_true", help="no access log")
     _distributed.add_arguments(parser)
 
@@ -143,6 +153,10 @@ async def _main(args: argparse.Namespace) -> None:
 
     path = await trio.to_thread.run_sync(resolve_model, args.model)
     _say(f"loading {path}")
+    embedding_path = None
+    if args.embedding_model is not None:
+        embedding_path = await trio.to_thread.run_sync(resolve_model, args.embedding_model)
+        _say(f"loading the embedding model {embedding_path}")
     server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                           max_body_bytes=args.max_body_bytes,
                           responses_store_size=args.responses_store_size,
@@ -160,14 +174,15 @@ async def _main(args: argparse.Namespace) -> None:
                            warmup=not args.no_warmup,
                            cpu_fusion=not args.no_cpu_fusion,
                            embedding_pooling=args.embedding_pooling,
-                           distributed=_distributed.config_from(args)) as engine:
+                           distributed=_distributed.config_from(args)) as engine, \
+            _embedding_engine(embedding_path, args) as embedder:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
                 async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
                     await serve_engine(engine, host=args.host, port=args.port, server=server,
                                        shutdown_trigger=stop.wait, drain_trigger=drain.wait,
-                                       quiet=args.quiet, task_status=task_status)
+                                       quiet=args.quiet, embedder=embedder, task_status=task_status)
                     nursery.cancel_scope.cancel()  # (after a drain) stop waiting for signals
 
                 binds = await nursery.start(serve)
@@ -179,6 +194,8 @@ async def _main(args: argparse.Namespace) -> None:
                 _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
                      f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
                      + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
+                if embedder is not None:
+                    _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
@@ -189,6 +206,22 @@ async def _main(args: argparse.Namespace) -> None:
                     _say(f"{name}: shutting down")
                     stop.set()
                     break
+
+
+@asynccontextmanager
+async def _embedding_engine(path: Path | None, args: argparse.Namespace) -> AsyncIterator[Engine | None]:
+    """The ``--embedding-model`` engine (no warm-up, prefix cache or grammar:
+    it only embeds), or None."""
+    if path is None:
+        yield None
+        return
+    from afm_core import open_engine
+
+    async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                           prefill_step=args.prefill_step, prefix_cache_bytes=0, grammar=False,
+                           warmup=False, cpu_fusion=not args.no_cpu_fusion,
+                           embedding_pooling=args.embedding_pooling) as engine:
+        yield engine
 
 
 def _leaf(exc: BaseException) -> BaseException:

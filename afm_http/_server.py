@@ -102,6 +102,7 @@ async def serve_engine(engine: Engine, *, host: str = "127.0.0.1", port: int = 9
                        shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
                        drain_trigger: Callable[[], Awaitable[Any]] | None = None,
                        quiet: bool = False,
+                       embedder: Engine | None = None,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``engine`` until cancelled or until a trigger ends it.
 
@@ -115,7 +116,7 @@ async def serve_engine(engine: Engine, *, host: str = "127.0.0.1", port: int = 9
     then shuts down the same way; ``shutdown_trigger`` still ends a drain at
     once.  An admin drain (``POST /admin/drain``) has its deadline kept here too.
     """
-    app = create_app(engine, server)
+    app = create_app(engine, server, embedder=embedder)
     state = app.afm_state
     trigger = None
     if shutdown_trigger is not None or drain_trigger is not None:

@@ -72,6 +72,9 @@ class AppState:
 
     engine: Engine
     config: ServerConfig
+    embedder: Engine | None = None
+    """A dedicated embedding model's engine (``--embedding-model``); None: the
+    served model answers ``/v1/embeddings`` itself."""
     inflight: InFlight = field(default_factory=InFlight)
     """Request ids this app has open with the engine (cancelled at shutdown)."""
     draining: Drain = field(default_factory=Drain)
@@ -82,6 +85,16 @@ class AppState:
     """Finished ``store: true`` Responses (bounded by the config's size and TTL)."""
     responses_live: dict[str, LiveResponse] = field(default_factory=dict)
     """Responses API responses in progress, by response id."""
+
+    @property
+    def embedding_engine(self) -> Engine:
+        """The engine answering ``/v1/embeddings``."""
+        return self.embedder or self.engine
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine this app serves: the model, then the embedding model if any."""
+        return (self.engine,) if self.embedder is None else (self.engine, self.embedder)
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size,

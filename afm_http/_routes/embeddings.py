@@ -5,7 +5,8 @@ string, strings, token ids or token-id lists; ``encoding_format`` ``float``
 or ``base64``; ``dimensions``), the vectors come from
 :meth:`afm_core.Engine.embed` (the served model's final hidden states,
 pooled as ``--embedding-pooling`` / ``EngineConfig.embedding_pooling`` says,
-L2-normalized), and the response is OpenAI's ``list`` of ``embedding``
+L2-normalized; the model given by ``--embedding-model`` when there is one,
+else the served model), and the response is OpenAI's ``list`` of ``embedding``
 objects with ``usage``.  Bad input is a 400 in OpenAI's error envelope; a
 model without a transformer body (the echo test model) is a 400 too.
 """
@@ -29,7 +30,7 @@ def register(app: AFMQuart) -> None:
 
 
 async def create_embeddings() -> Response:
-    engine = current_state().engine
+    engine = current_state().embedding_engine
     call = api.parse(await read_json())
     result = await engine.embed(call.inputs)
     return json_response(api.response(call, result.vectors, model=call.model or engine.model_id,

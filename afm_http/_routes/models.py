@@ -34,11 +34,12 @@ def model_card(engine: Engine) -> dict[str, Any]:
 
 
 async def models() -> Response:
-    return json_response({"object": "list", "data": [model_card(current_state().engine)]})
+    return json_response({"object": "list",
+                          "data": [model_card(e) for e in current_state().engines]})
 
 
 async def model(model_id: str) -> Response:
-    engine = current_state().engine
-    if model_id != engine.model_id:
-        return error_response(404, "no such model", param="model", code="model_not_found")
-    return json_response(model_card(engine))
+    for engine in current_state().engines:
+        if model_id == engine.model_id:
+            return json_response(model_card(engine))
+    return error_response(404, "no such model", param="model", code="model_not_found")

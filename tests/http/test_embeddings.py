@@ -116,3 +116,63 @@ async def test_embeddings_do_not_disturb_a_running_stream(random_model_dir: Path
         assert with_embeds == alone
         assert len(during) == 3 and any(during), during  # they really ran mid-stream
         await c.close()
+
+
+@pytest.fixture(scope="module")
+def embedding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second random model, of another width than the served one (32, not 64)."""
+    from afm_core.testing import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("embedder") / "emb-32", hidden_size=32, seed=7)
+
+
+async def test_a_dedicated_embedding_model_answers_embeddings(echo_model_dir: Path,
+                                                              embedding_model_dir: Path) -> None:
+    """``--embedding-model``: the echo model (which has no hidden states) serves chat, the
+    embedding model /v1/embeddings, each on its own engine; /v1/models lists both."""
+    import mlx_lm
+
+    from afm_core import open_engine
+    from afm_core._mlx.embeddings import embed
+
+    model, tok = mlx_lm.load(str(embedding_model_dir))
+    want = embed(model, [tok.encode("The quick brown fox")], "last")[0]
+    async with open_engine(embedding_model_dir, embedding_pooling="last", warmup=False,
+                           prefix_cache_bytes=0) as embedder, \
+            running_server(echo_model_dir, embedder=embedder) as (url, engine), \
+            httpx.AsyncClient(base_url=url, timeout=60) as h:
+        c = client(url)
+        got = await c.embeddings.create(model="any", input="The quick brown fox", encoding_format="float")
+        assert len(got.data[0].embedding) == 32 and got.model == "any"
+        np.testing.assert_allclose(got.data[0].embedding, want, atol=1e-4)
+        assert embedder.statistics().embedding_requests == 1
+        assert engine.statistics().embedding_requests == 0
+        ids = [m.id for m in (await c.models.list()).data]
+        assert ids == [engine.model_id, embedder.model_id]
+        assert (await h.get(f"/v1/models/{embedder.model_id}")).status_code == 200
+        chat = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "echo me"}])
+        assert chat.choices[0].message.content == "echo me"
+        await c.close()
+    # without it, the echo model cannot embed: a clear 400
+    async with running_server(echo_model_dir) as (url, _):
+        c = client(url)
+        with pytest.raises(openai.BadRequestError, match="cannot compute embeddings"):
+            await c.embeddings.create(model="m", input="x")
+        await c.close()
+
+
+def test_afm_serve_embedding_model_flag(echo_model_dir: Path, embedding_model_dir: Path) -> None:
+    from tests.http.test_server import _Server
+
+    server = _Server("--model", str(echo_model_dir), "--port", "0", "--no-warmup",
+                     "--embedding-model", str(embedding_model_dir), "--embedding-pooling", "cls")
+    try:
+        url = server.wait_for(r"serving .* on (http://127\.0\.0\.1:\d+)").group(1)
+        server.wait_for(r"embeddings from .*emb-32 \(cls pooling\)")
+        with httpx.Client(base_url=url, timeout=60) as h:
+            r = h.post("/v1/embeddings", json={"input": ["a", "b"]})
+            assert r.status_code == 200 and [len(d["embedding"]) for d in r.json()["data"]] == [32, 32]
+            assert len(h.get("/v1/models").json()["data"]) == 2
+    finally:
+        server.proc.kill()
+        server.proc.wait()
