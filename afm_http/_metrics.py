@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["CONTENT_TYPE", "escape_label", "render"]
@@ -24,6 +24,11 @@ _SIMPLE = (
      "cached_tokens"),
     ("afm_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", "prefix_cache_bytes"),
     ("afm_engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("afm_shared_prefills_total", "counter",
+     "Requests started from another request's prefill of the same prompt.", "shared_prefills"),
+    ("afm_embedding_requests_total", "counter", "Embedding calls answered.", "embedding_requests"),
+    ("afm_embedding_tokens_total", "counter", "Input tokens of the embedding calls.", "embedding_tokens"),
+    ("afm_embeddings_active", "gauge", "Embedding calls running.", "embeddings_active"),
 )
 
 
@@ -37,26 +42,30 @@ def _header(lines: list[str], name: str, kind: str, help_text: str) -> None:
     lines.append(f"# TYPE {name} {kind}")
 
 
-def render(stats: Any, model: str, http: Mapping[int, int], *, draining: bool = False,
+def render(engines: Sequence[tuple[Any, str]], http: Mapping[int, int], *, draining: bool = False,
            inflight: int = 0) -> str:
-    """The exposition text for ``stats`` (an ``EngineStatistics``), HTTP status counts,
-    whether the server is draining and the requests its HTTP layer holds open."""
-    label = f'model="{escape_label(model)}"'
+    """The exposition text for each engine's ``(EngineStatistics, model id)`` (the
+    served model, then a ``--embedding-model``: one line each, labelled by model),
+    HTTP status counts, whether the server is draining and the requests its HTTP
+    layer holds open."""
+    labelled = [(stats, f'model="{escape_label(model)}"') for stats, model in engines]
     lines: list[str] = []
     for name, kind, help_text, attr in _SIMPLE:
         _header(lines, name, kind, help_text)
-        lines.append(f"{name}{{{label}}} {getattr(stats, attr)}")
+        lines.extend(f"{name}{{{label}}} {getattr(stats, attr)}" for stats, label in labelled)
     _header(lines, "afm_draining", "gauge", "1 while the server drains (not ready, new requests refused).")
     lines.append(f"afm_draining {int(draining)}")
     _header(lines, "afm_http_requests_inflight", "gauge",
             "Request ids the HTTP layer holds open with the engine.")
     lines.append(f"afm_http_requests_inflight {inflight}")
     _header(lines, "afm_time_to_first_token_seconds", "summary", "Submission to first event.")
-    lines.append(f"afm_time_to_first_token_seconds_sum{{{label}}} {stats.ttft_seconds_sum:.6f}")
-    lines.append(f"afm_time_to_first_token_seconds_count{{{label}}} {stats.ttft_count}")
+    for stats, label in labelled:
+        lines.append(f"afm_time_to_first_token_seconds_sum{{{label}}} {stats.ttft_seconds_sum:.6f}")
+        lines.append(f"afm_time_to_first_token_seconds_count{{{label}}} {stats.ttft_count}")
     _header(lines, "afm_requests_finished_total", "counter", "Finished streams by finish reason.")
-    for reason, n in sorted(stats.finished.items()):
-        lines.append(f'afm_requests_finished_total{{{label},reason="{escape_label(reason)}"}} {n}')
+    for stats, label in labelled:
+        for reason, n in sorted(stats.finished.items()):
+            lines.append(f'afm_requests_finished_total{{{label},reason="{escape_label(reason)}"}} {n}')
     _header(lines, "afm_http_responses_total", "counter", "HTTP responses by status code.")
     for status, n in sorted(http.items()):
         lines.append(f'afm_http_responses_total{{status="{int(status)}"}} {n}')

@@ -46,7 +46,8 @@ async def health() -> Response:
     state = current_state()
     engine = state.engine
     stats = engine.statistics()
-    ok = engine.healthy
+    failure = next((e.failure for e in state.engines if e.failure is not None), None)
+    ok = failure is None
     drain = state.draining.status()
     info = runtime_info()
     status = "unavailable" if not ok else "draining" if drain is not None else "ok"
@@ -54,7 +55,7 @@ async def health() -> Response:
                           "running": stats.running, "waiting": stats.waiting,
                           "requests_active": stats.requests_active, "inflight": len(state.inflight),
                           "draining": None if drain is None else drain.to_dict(),
-                          "error": engine.failure,
+                          "error": failure,
                           "blas": info.blas, "quantized_kernel": info.quantized_kernel,
                           "compiled": info.compiled},
                          status=200 if status == "ok" else 503)
@@ -62,9 +63,9 @@ async def health() -> Response:
 
 async def metrics() -> Response:
     state = current_state()
-    engine = state.engine
-    text = _metrics.render(engine.statistics(), engine.model_id, dict(state.statuses),
-                           draining=state.draining.active, inflight=len(state.inflight))
+    engines = [(e.statistics(), e.model_id) for e in state.engines]
+    text = _metrics.render(engines, dict(state.statuses), draining=state.draining.active,
+                           inflight=len(state.inflight))
     return Response(text, content_type=_metrics.CONTENT_TYPE)
 
 

@@ -150,6 +150,11 @@ async def test_a_dedicated_embedding_model_answers_embeddings(echo_model_dir: Pa
         ids = [m.id for m in (await c.models.list()).data]
         assert ids == [engine.model_id, embedder.model_id]
         assert (await h.get(f"/v1/models/{embedder.model_id}")).status_code == 200
+        metrics = (await h.get("/metrics")).text
+        assert f'afm_embedding_requests_total{{model="{embedder.model_id}"}} 1' in metrics
+        assert f'afm_embedding_requests_total{{model="{engine.model_id}"}} 0' in metrics
+        assert metrics.count("# TYPE afm_embedding_requests_total counter") == 1
+        assert (await h.get("/health")).json()["error"] is None
         chat = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "echo me"}])
         assert chat.choices[0].message.content == "echo me"
         await c.close()
