@@ -135,7 +135,10 @@ defaults
     timeout http-keep-alive 60s
     timeout queue 30s
     timeout check 2s
-    # no 'compression': SSE frames pass as afm writes them
+    # no 'compression': SSE frames pass as afm writes them; and each at once: without
+    # http-no-delay HAProxy sends small frames with MSG_MORE and the kernel holds them back
+    # (measured: +16 ms TTFT p50 for a lone stream, +40 ms at 8 streams)
+    option http-no-delay
 
 frontend afm
     bind {bind}
@@ -147,6 +150,11 @@ frontend afm
     http-request capture req.hdr(X-Request-ID) len 128
     # a replica's own admin routes are reached through the admin listener only
     http-request deny deny_status 404 if {{ path_beg /admin/ /replicas/ }}
+    # HAProxy's own answers in OpenAI's error envelope, as afm's are
+    http-error status 404 content-type application/json string '{{"error":{{"message":"no such route","type":"invalid_request_error","param":null,"code":"not_found"}}}}'
+    http-error status 502 content-type application/json string '{{"error":{{"message":"the replica failed to answer","type":"server_error","param":null,"code":"bad_gateway"}}}}'
+    http-error status 503 content-type application/json string '{{"error":{{"message":"no replica is available: retry","type":"server_error","param":null,"code":"no_replica"}}}}' hdr Retry-After 1
+    http-error status 504 content-type application/json string '{{"error":{{"message":"the replica did not answer in time","type":"server_error","param":null,"code":"gateway_timeout"}}}}'
     default_backend afm_replicas
 
 backend afm_replicas

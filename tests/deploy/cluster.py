@@ -72,7 +72,7 @@ class ReplicaProcess:
             [sys.executable, "-m", "afm_core._cli", "serve", "--model", str(self.model),
              "--host", HOST, "--port", str(self.port), "--quiet", *self.args],
             stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "AFM_BLAS_THREADS": "1", **self.env})
+            env={**os.environ, **self.env})
         log.close()
 
     def wait_ready(self, timeout: float = 120) -> None:

@@ -38,8 +38,10 @@ SEED = 19
 
 @pytest.fixture(scope="module")
 def cluster(echo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # three servers on a small machine: one BLAS thread each
     with Cluster(echo_model_dir, tmp_path_factory.mktemp("haproxy"),
-                 replica_args=("--drain-timeout", str(DRAIN_TIMEOUT))) as c:
+                 replica_args=("--drain-timeout", str(DRAIN_TIMEOUT)),
+                 replica_env={"AFM_BLAS_THREADS": "1"}) as c:
         yield c
 
 
@@ -250,7 +252,8 @@ async def test_admin_drain_takes_a_replica_out_and_back(up: Cluster) -> None:
             assert health.status_code == 503 and health.json()["status"] == "draining"
             assert health.json()["draining"]["reason"] == "admin"
             # the public listener refuses the replicas' admin routes
-            assert (await client.post("/admin/drain")).status_code == 404
+            hidden = await client.post("/admin/drain")
+            assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "not_found"
             assert (await client.get(f"/replicas/{name}/health")).status_code == 404
             # straight to the drained replica: refused in each API's envelope, with Retry-After
             direct = up.replica(name).url
@@ -381,6 +384,9 @@ async def test_kill_9_under_load(up: Cluster) -> None:
                 down_after = await trio.to_thread.run_sync(up.balancer.wait_state, victim.name,
                                                            "DOWN", 10)
                 detected.set()
+        # a cancel for a stream that died with its replica: HAProxy's 503, in OpenAI's envelope
+        lost = await client.post(f"{CHAT}/{on_victim[0].request_id}/cancel")
+        assert lost.status_code == 503 and lost.json()["error"]["code"] == "no_replica"
     elapsed = time.monotonic() - killed_at
     cut_after = max(s.ended - killed_at for s in on_victim)
     answered = [r for _, r in fresh if isinstance(r, httpx.Response) and r.status_code == 200]
