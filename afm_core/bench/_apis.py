@@ -6,6 +6,11 @@ the job's prompt text raw, no chat template), ``messages`` (Anthropic
 streamed events are read into the same :class:`Reading` (a token-bearing
 delta, usage, the end of the stream, an error), so the observer's timings
 mean the same on every API.  Pure functions, no I/O.
+
+Several APIs in one run (``afm bench --api chat,messages,...``) name their
+targets by *slot*: the API, with ``#2``, ``#3`` ... on a repeat (``chat,chat``
+gives the slots ``chat`` and ``chat#2``, an A/A control), so one server
+serves the targets ``ours[chat]``, ``ours[chat#2]`` and so on.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 
 from ._workload import Job
 
-__all__ = ["APIS", "PATHS", "Reading", "body", "prompt_text", "read_event"]
+__all__ = ["APIS", "PATHS", "Reading", "body", "prompt_form", "prompt_text", "read_event",
+           "slot_api", "slot_names", "slot_target", "split_target"]
 
 PATHS: dict[str, str] = {
     "chat": "/v1/chat/completions",
@@ -25,6 +31,43 @@ PATHS: dict[str, str] = {
     "responses": "/v1/responses",
 }
 APIS: tuple[str, ...] = tuple(PATHS)
+
+
+def slot_names(apis: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """One name per entry of ``apis``: the API, then ``API#2``, ``API#3``... on repeats."""
+    seen: dict[str, int] = {}
+    out: list[str] = []
+    for api in apis:
+        if api not in PATHS:
+            raise ValueError(f"unknown API {api!r}; expected one of {', '.join(APIS)}")
+        seen[api] = seen.get(api, 0) + 1
+        out.append(api if seen[api] == 1 else f"{api}#{seen[api]}")
+    return tuple(out)
+
+
+def slot_api(slot: str) -> str:
+    """The API a slot drives (``chat#2`` -> ``chat``)."""
+    return slot.partition("#")[0]
+
+
+def prompt_form(api: str) -> str:
+    """How the raw path tokenizes a job for ``api``: ``completions`` (the
+    prompt text as it is) or ``chat`` (the chat template; messages and
+    responses too)."""
+    return "completions" if api == "completions" else "chat"
+
+
+def slot_target(kind: str, slot: str) -> str:
+    """The target name of ``kind`` (``raw``, ``ours``...) driven through ``slot``."""
+    return f"{kind}[{slot}]"
+
+
+def split_target(name: str) -> tuple[str, str | None]:
+    """``ours[chat#2]`` -> ``("ours", "chat#2")``; a plain name -> ``(name, None)``."""
+    if name.endswith("]") and "[" in name:
+        kind, _, slot = name[:-1].partition("[")
+        return kind, slot
+    return name, None
 
 
 def prompt_text(job: Job) -> str:

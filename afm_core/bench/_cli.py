@@ -7,6 +7,9 @@ Examples::
     afm bench --targets raw,peer --rate 5,20    # add open-loop Poisson levels
     afm bench --targets raw --url http://127.0.0.1:8080   # an already running server
     afm bench --api messages --targets raw,ours # Anthropic /v1/messages (also completions, responses)
+    afm bench --api chat,completions,messages,responses,chat --targets raw,ours --rounds 5
+                                                # every API in one run, each ratio to raw in the
+                                                # same time window; chat twice: an A/A control
     afm bench --real-model                      # default model: raw, peer, ours vs llama.cpp
     afm bench --real-model --rounds 1 --batch-requests 8 --targets ours,llamacpp
 """
@@ -69,6 +72,14 @@ def _targets(text: str) -> tuple[str, ...]:
     return names
 
 
+def _apis(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in APIS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown APIs {bad}; choose from {', '.join(APIS)}")
+    return names
+
+
 def _rounds(text: str) -> int:
     n = int(text)
     if not 1 <= n <= 20:
@@ -88,11 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
            "(mlx_lm.server), ours (afm serve), llamacpp (--real-model only); default "
            + ",".join(DEFAULT_TARGETS) + " (with --real-model raw,peer,ours,llamacpp)")
-    a("--api", choices=APIS, default="chat",
+    a("--api", type=_apis, default=("chat",),
       help="the wire API the served targets are driven through: chat (/v1/chat/completions), "
            "completions (/v1/completions: the prompt text raw, and raw mlx-lm without the chat "
            "template), messages (Anthropic /v1/messages), responses (/v1/responses); "
-           "mlx_lm.server serves only chat and completions")
+           "mlx_lm.server serves only chat and completions.  A comma list runs them all in one "
+           "run, interleaved: one server per target, a target per API on it (ours[messages]), "
+           "raw per API on the same prompts; the same API twice (chat,chat) is an A/A control")
     a("--concurrency", type=_levels, default=(1, 8, 32, 64),
       help="closed-loop levels ('none' with --rate for open loop only)")
     a("--requests", type=int, default=None,
@@ -160,7 +173,7 @@ def run_real_model(args: argparse.Namespace) -> int:
     from ._real_report import format_real_table, write_real_report
 
     targets = args.targets if args.targets is not None else DEFAULT_REAL_TARGETS
-    if args.api != "chat":
+    if args.api != ("chat",):
         print("afm bench --real-model drives chat completions only (llama.cpp's server is the "
               "peer); use --api without --real-model", file=sys.stderr)
         return 2
@@ -227,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     args.time_budget = args.time_budget or 1800.0
     args.startup_timeout = args.startup_timeout or 180.0
     args.rounds = args.rounds or 1
+    if len(args.api) > 1 and not args.interleave:
+        print("afm bench: several APIs run interleaved (--interleave implied)", file=sys.stderr)
+        args.interleave = True
 
     if not args.concurrency and not args.rate:
         print("afm bench: nothing to run: give --concurrency levels or --rate", file=sys.stderr)
@@ -246,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
         model=str(Path(model).resolve()),
         out_dir=str(out_dir),
         targets=args.targets,
-        api=args.api,
+        api=args.api[0],
+        apis=args.api if len(args.api) > 1 else (),
         concurrency=args.concurrency,
         requests=args.requests,
         rates=args.rate,

@@ -4,6 +4,14 @@ Every served figure is set against ``raw`` from the same run (``*_vs_raw``)
 and, when both ran, ours against the peer (``ours_vs_peer``) and against raw
 with the engine's CPU kernels (``ours_vs_raw_kernels``: the server's own cost
 apart from the kernels).  Latencies are milliseconds.
+
+A run over several wire APIs names its targets by API slot (``ours[chat]``,
+``raw[chat]``, ``ours[chat#2]``; see ``_apis``): each is set against the raw
+target of its own slot, ours against the peer slot by slot
+(``ours_vs_peer_by_api``), and ``api_comparison`` answers "is every API's
+served ÷ raw ratio within a few % of chat's": per level and API, the ratio's
+median over the rounds and its range, and each round's ratio over the
+reference API's (chat's) in the same round, as a difference in %.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._apis import slot_api, slot_target, split_target
 from ._results import RunResult
 from ._stats import ratio
 
@@ -27,6 +36,18 @@ PEER = "mlx_lm.server"
 def _p(summary: dict[str, Any], metric: str, q: str = "p50") -> float | None:
     value = summary.get(metric, {}).get(q)
     return None if value is None else float(value)
+
+
+def baseline(target: str) -> str:
+    """The raw target a target's figures are set against: ``raw``, or in a
+    run over several APIs the raw target of its slot (``ours[messages]`` ->
+    ``raw[messages]``)."""
+    _, slot = split_target(target)
+    return RAW if slot is None else slot_target(RAW, slot)
+
+
+def is_raw(target: str) -> bool:
+    return split_target(target)[0] == RAW
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -86,16 +107,76 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
             if len(order) > 1:
                 by[target]["rounds"] = len(order)
                 by[target]["output_tokens_per_s_by_round"] = list(tps[target].values())
-        if RAW in by:
-            entry["vs_raw"] = {t: _rounds_compare(by[t], by[RAW], tps[t], tps[RAW]) for t in by if t != RAW}
-        if OURS in by and PEER in by:
-            entry["ours_vs_peer"] = _rounds_compare(by[OURS], by[PEER], tps[OURS], tps[PEER])
-        if OURS in by and RAW_KERNELS in by:
-            entry["ours_vs_raw_kernels"] = _rounds_compare(by[OURS], by[RAW_KERNELS], tps[OURS],
-                                                           tps[RAW_KERNELS])
+        if any(is_raw(t) for t in by):
+            entry["vs_raw"] = {t: _rounds_compare(by[t], by[b], tps[t], tps[b]) for t in by
+                               if not is_raw(t) and (b := baseline(t)) in by}
+        slots = config.get("slots") or ()
+        for pair, other in (("ours_vs_peer", PEER), ("ours_vs_raw_kernels", RAW_KERNELS)):
+            if not slots:
+                if OURS in by and other in by:
+                    entry[pair] = _rounds_compare(by[OURS], by[other], tps[OURS], tps[other])
+                continue
+            pairs = {s: (slot_target(OURS, s), slot_target(other, s)) for s in slots}
+            found = {s: _rounds_compare(by[a], by[b], tps[a], tps[b])
+                     for s, (a, b) in pairs.items() if a in by and b in by}
+            if found:
+                entry[pair + "_by_api"] = found
+        if slots:
+            entry["api_comparison"] = api_comparison(by, tps, slots)
     ordered = sorted(levels.values(), key=lambda e: (e["mode"] != "closed", e["level"]))
     return {"meta": meta, "config": config, "targets": targets, "skipped": skipped,
             "levels": ordered}
+
+
+SERVED_KINDS = (OURS, PEER, "url", RAW_KERNELS)
+"""The targets ``api_comparison`` sets against raw, slot by slot, in this order."""
+
+
+def reference_slot(slots: Sequence[str]) -> str:
+    """The slot every other is compared with: the first chat, else the first."""
+    return next((s for s in slots if slot_api(s) == "chat"), slots[0])
+
+
+def _spread(values: list[float | None]) -> dict[str, Any]:
+    known = [v for v in values if v is not None]
+    return {"median": statistics.median(known) if known else None,
+            "min": min(known) if known else None, "max": max(known) if known else None,
+            "by_round": values}
+
+
+def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float | None]],
+                   slots: Sequence[str]) -> dict[str, Any]:
+    """For each served kind and API slot at one level: the tokens/s ratio
+    to the slot's raw target round by round (``ratio``: median, min, max,
+    by_round), and each round's ratio over the reference slot's ratio in
+    the same round, minus 1, in % (``vs_reference_pct``; the A/A slot
+    ``chat#2`` shows how far two identical APIs drift apart)."""
+    ref = reference_slot(slots)
+    out: dict[str, Any] = {"reference": ref}
+    for kind in SERVED_KINDS:
+        per_round: dict[str, dict[int, float | None]] = {}
+        rows: dict[str, Any] = {}
+        for slot in slots:
+            target, raw = slot_target(kind, slot), slot_target(RAW, slot)
+            if target not in by or raw not in by:
+                continue
+            per_round[slot] = {r: ratio(tps[target][r], tps[raw].get(r)) for r in tps[target]}
+            rows[slot] = {"api": slot_api(slot), "target": target, "raw": raw,
+                          "ratio": _spread(list(per_round[slot].values())),
+                          "ttft_p50_ms": _p(by[target], "ttft_ms"),
+                          "raw_ttft_p50_ms": _p(by[raw], "ttft_ms")}
+        if not rows:
+            continue
+        if ref in per_round:
+            base = per_round[ref]
+            for slot, row in rows.items():
+                if slot == ref:
+                    continue
+                diffs = [None if (a := ratio(x, base.get(r))) is None else (a - 1.0) * 100.0
+                         for r, x in per_round[slot].items()]
+                row["vs_reference_pct"] = _spread(diffs)
+        out[kind] = rows
+    return out
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -105,12 +186,18 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """A fixed-width table: one row per target per level, then ours/peer."""
-    head = (f"{'level':<11} {'target':<14} {'tok/s':>9} {'x raw':>6} {'req/s':>7} "
+    """A fixed-width table: one row per target per level, then ours/peer
+    (and, over several APIs, the comparison of their ratios to raw)."""
+    tw = max([14, *(len(t) + 1 for t in report["targets"])])
+    head = (f"{'level':<11} {'target':<{tw}} {'tok/s':>9} {'x raw':>6} {'req/s':>7} "
             f"{'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
             f"{'E2E p50':>8} {'ok':>5}  errors")
-    api = (report.get("config") or {}).get("api", "chat")
-    lines = [f"served targets driven through the {api} API"] if api != "chat" else []
+    config = report.get("config") or {}
+    api, slots = config.get("api", "chat"), config.get("slots") or ()
+    lines = [f"served targets driven through the {api} API"] if api != "chat" and not slots else []
+    if slots:
+        lines.append(f"wire APIs {', '.join(slots)} in one run: one server each, one target "
+                     "per API on it (ours[API]); raw[API] runs that target's prompts in-process")
     lines += [head, "-" * len(head)]
     for entry in report["levels"]:
         by = entry["by_target"]
@@ -119,12 +206,12 @@ def format_table(report: dict[str, Any]) -> str:
             s = by.get(target)
             if s is None:
                 continue
-            x_raw = vs.get(target, {}).get("output_tokens_per_s") if target != RAW else 1.0
+            x_raw = vs.get(target, {}).get("output_tokens_per_s") if not is_raw(target) else 1.0
             errs = ",".join(f"{k}={v}" for k, v in s["errors"].items()) or "0"
             if s.get("truncated"):
                 errs += " (time budget hit)"
             lines.append(
-                f"{entry['label']:<11} {target:<14} {_fmt(s['output_tokens_per_s']):>9} "
+                f"{entry['label']:<11} {target:<{tw}} {_fmt(s['output_tokens_per_s']):>9} "
                 f"{_fmt(x_raw, '.3f'):>6} {_fmt(s['request_throughput'], '.2f'):>7} "
                 f"{_fmt(_p(s, 'ttft_ms')):>9} {_fmt(_p(s, 'ttft_ms', 'p90')):>7} "
                 f"{_fmt(_p(s, 'ttft_ms', 'p99')):>7} {_fmt(_p(s, 'itl_ms'), '.2f'):>8} "
@@ -137,18 +224,24 @@ def format_table(report: dict[str, Any]) -> str:
                         "cached_tokens", "memory_peak_gib")
                 means = prof["summary_mean"]
                 shown = " ".join(f"{k}={means[k]:.4g}" for k in keys if k in means)
-                lines.append(f"{entry['label']:<11} {target + ' prof':<14} "
+                lines.append(f"{entry['label']:<11} {target + ' prof':<{tw}} "
                              f"({prof['captured']} profiles, means) {shown}")
-        for key, label in (("ours_vs_peer", "ours/peer"), ("ours_vs_raw_kernels", "ours/raw+k")):
-            ovp = entry.get(key)
+        pairs = [(label, entry.get(key)) for key, label in (("ours_vs_peer", "ours/peer"),
+                                                            ("ours_vs_raw_kernels", "ours/raw+k"))]
+        for key, label in (("ours_vs_peer_by_api", "ours/peer"),
+                           ("ours_vs_raw_kernels_by_api", "ours/raw+k")):
+            pairs += [(f"{label}[{slot}]", ovp) for slot, ovp in (entry.get(key) or {}).items()]
+        for label, ovp in pairs:
             if ovp:
                 lines.append(
-                    f"{entry['label']:<11} {label:<14} {_fmt(ovp['output_tokens_per_s'], '.3f'):>9}"
+                    f"{entry['label']:<11} {label:<{tw}} {_fmt(ovp['output_tokens_per_s'], '.3f'):>9}"
                     f" {'':>6} {_fmt(ovp['request_throughput'], '.3f'):>7} "
                     f"{_fmt(ovp['ttft_p50'], '.3f'):>9} {'':>7} {'':>7} "
                     f"{_fmt(ovp['itl_p50'], '.3f'):>8} {_fmt(ovp['itl_p99'], '.3f'):>7} "
                     f"{_fmt(ovp['e2e_p50'], '.3f'):>8}")
         lines.append("")
+    if slots:
+        lines.extend(format_api_comparison(report))
     lines.extend(run_footer(report))
     shares = [s["client_cpu_share"] for e in report["levels"] for s in e["by_target"].values()
               if s.get("client_cpu_share") is not None]
@@ -162,6 +255,40 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{rounds} rounds per level, each on fresh prompts, pooled; ratios (x raw, "
                      "ours/peer, ours/raw+k tok/s) are medians of the rounds' paired ratios.")
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
+def format_api_comparison(report: dict[str, Any]) -> list[str]:
+    """Per served kind, level and API: tok/s ÷ raw (median over the rounds
+    and its range) and the paired difference from the reference API's ratio."""
+    lines: list[str] = []
+    rounds = (report.get("config") or {}).get("rounds") or 1
+    entries = [e for e in report["levels"] if e.get("api_comparison")]
+    for kind in SERVED_KINDS:
+        if not any(kind in e["api_comparison"] for e in entries):
+            continue
+        ref = entries[0]["api_comparison"]["reference"]
+        lines.append(f"{kind} ÷ raw, tokens/s, by wire API: median of {rounds} round(s) [min-max]; "
+                     f"vs {ref}: each round's ratio over {ref}'s in that round, -1 "
+                     "(median [min, max])")
+        cw = max(12, len(kind) + 6)
+        head = (f"{'level':<11} {'API':<14} {kind + ' ÷ raw':>{cw}} {'range':>15} "
+                f"{'vs ' + ref:>10} {'range':>18} {'TTFT p50':>9} {'raw':>7}")
+        lines += [head, "-" * len(head)]
+        for entry in entries:
+            for slot, row in (entry["api_comparison"].get(kind) or {}).items():
+                r, d = row["ratio"], row.get("vs_reference_pct")
+                span = f"[{_fmt(r['min'], '.3f')}-{_fmt(r['max'], '.3f')}]"
+                dspan = f"[{_pct(d['min'])}, {_pct(d['max'])}]" if d else ""
+                lines.append(
+                    f"{entry['label']:<11} {slot:<14} {_fmt(r['median'], '.3f'):>{cw}} {span:>15} "
+                    f"{_pct(d['median']) if d else '-':>10} {dspan:>18} "
+                    f"{_fmt(row['ttft_p50_ms']):>9} {_fmt(row['raw_ttft_p50_ms']):>7}")
+        lines.append("")
+    return lines
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -195,7 +322,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                     label=f"{target} p50")
         ax_itl.plot(xs, [_nan(_p(s, "itl_ms", "p99")) for s in ss], "x--", color=color,
                     alpha=0.6, label=f"{target} p99")
-        if target != RAW:
+        if not is_raw(target):
             rs = [e.get("vs_raw", {}).get(target, {}).get("output_tokens_per_s")
                   for e in shown if target in e["by_target"]]
             if any(r is not None for r in rs):

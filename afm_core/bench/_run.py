@@ -8,6 +8,17 @@ target back to back, so slow drift in machine load hits all of them alike.
 Each target gets the same jobs at the same level, warms up first, and is
 bounded by the level and total time budgets; servers started here are always
 stopped on the way out.
+
+With several wire APIs (``apis``, ``afm bench --api chat,messages,...``) each
+server is still started once, and each API *slot* (``_apis.slot_names``) is a
+target of its own on it (``ours[chat]``, ``ours[messages]``...); raw runs
+per slot too (``raw[messages]``: the same prompts in-process), on one loaded
+model per prompt form (chat template, or the completions prompt text raw).
+Every slot gets its own jobs (a server's prefix cache would otherwise serve
+one API's prompts to the next), the run is interleaved, slot by slot (raw
+then the servers, so each ratio's two sides run back to back), in
+alternating order each round: every API's ratio to raw is measured in the
+same time window.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any
 import trio
 
 from . import _loadgen, _servers
+from ._apis import prompt_form, slot_api, slot_names, slot_target, split_target
 from ._errors import ServerStartError
 from ._raw import RawRunner
 from ._report import OURS, PEER, RAW, RAW_KERNELS, build_report
@@ -49,6 +61,7 @@ class BenchConfig:
     out_dir: str
     targets: tuple[str, ...] = DEFAULT_TARGETS
     api: str = "chat"  # the wire API the served targets are driven through (_apis.APIS)
+    apis: tuple[str, ...] = ()  # two or more: every one in this run, a target each (api unused)
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
     requests: int | None = None  # per closed level; None -> max(32, 4 * c)
     rates: tuple[float, ...] = ()
@@ -75,6 +88,10 @@ class BenchConfig:
     def requests_at(self, c: int) -> int:
         return self.requests if self.requests is not None else max(32, 4 * c)
 
+    def slots(self) -> tuple[str, ...]:
+        """The API slots of a run over several APIs (``apis``); () for one API."""
+        return slot_names(self.apis) if len(self.apis) > 1 else ()
+
 
 @dataclass(frozen=True, slots=True)
 class Level:
@@ -85,26 +102,32 @@ class Level:
     schedule: tuple[float, ...] = ()
     round: int = 0
 
+    def first_for(self, slot: int) -> int:
+        """The first job of API slot number ``slot`` (0 in a one-API run)."""
+        return self.first_index + slot * self.n
+
 
 def plan(cfg: BenchConfig) -> tuple[Workload, list[Level], Level]:
     """The seeded workload, the levels (each level's rounds one after the
     other) and the warm-up, on disjoint job ranges (so no server sees a
     prompt twice and prefix caches only ever share the chat template's
-    header)."""
+    header).  With several API slots a level's range holds ``n`` jobs per
+    slot: slot ``k`` runs ``first_index + k * n`` onwards (``Level.first_for``)."""
     if cfg.rounds < 1:
         raise ValueError("rounds must be >= 1")
+    per = max(1, len(cfg.slots()))
     levels: list[Level] = []
     nxt = 0
     for c in cfg.concurrency:
         n = cfg.requests_at(c)
         for r in range(cfg.rounds):
             levels.append(Level("closed", float(c), n, nxt, round=r))
-            nxt += n
+            nxt += n * per
     for k, rate in enumerate(cfg.rates):
         sched = tuple(poisson_schedule(rate, cfg.open_requests, cfg.seed + 1000 + k))
         for r in range(cfg.rounds):
             levels.append(Level("open", rate, cfg.open_requests, nxt, sched, round=r))
-            nxt += cfg.open_requests
+            nxt += cfg.open_requests * per
     warm_c = max(1, min(4, max(cfg.concurrency, default=1)))
     warmup = Level("closed", float(warm_c), cfg.warmup, nxt)
     workload = make_workload(cfg.seed, max(1, nxt + cfg.warmup), prompt_words=cfg.prompt_words,
@@ -127,8 +150,10 @@ def _brief(run: RunResult) -> str:
 class _Served:
     """A served target: one level is one load-generator run."""
 
-    def __init__(self, target: _loadgen.Target, workload: Workload, cfg: BenchConfig) -> None:
+    def __init__(self, target: _loadgen.Target, workload: Workload, cfg: BenchConfig,
+                 slot: int = 0) -> None:
         self.name = target.name
+        self.slot = slot
         self._target, self._workload, self._cfg = target, workload, cfg
 
     async def level(self, lv: Level) -> RunResult:
@@ -137,28 +162,33 @@ class _Served:
             return await _loadgen.run_closed(
                 self._target, self._workload, int(lv.level), lv.n,
                 level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
-                first_index=lv.first_index)
+                first_index=lv.first_for(self.slot))
         return await _loadgen.run_open(
             self._target, self._workload, lv.level, lv.schedule,
             level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
-            first_index=lv.first_index)
+            first_index=lv.first_for(self.slot))
 
 
 class _Raw:
     """The in-process raw limit."""
 
-    def __init__(self, runner: RawRunner, workload: Workload, cfg: BenchConfig) -> None:
+    def __init__(self, runner: RawRunner, workload: Workload, cfg: BenchConfig,
+                 name: str | None = None, slot: int = 0) -> None:
         self._runner, self._workload, self._cfg = runner, workload, cfg
-        self.name = runner.name
+        self.name = name or runner.name
+        self.slot = slot
 
     async def level(self, lv: Level) -> RunResult:
         if lv.mode == "closed":
-            return await self._runner.run_closed(self._workload, int(lv.level), lv.n,
-                                                 level_timeout=self._cfg.level_timeout,
-                                                 first_index=lv.first_index)
-        return await self._runner.run_open(self._workload, lv.level, lv.schedule,
-                                           level_timeout=self._cfg.level_timeout,
-                                           first_index=lv.first_index)
+            run = await self._runner.run_closed(self._workload, int(lv.level), lv.n,
+                                                level_timeout=self._cfg.level_timeout,
+                                                first_index=lv.first_for(self.slot))
+        else:
+            run = await self._runner.run_open(self._workload, lv.level, lv.schedule,
+                                              level_timeout=self._cfg.level_timeout,
+                                              first_index=lv.first_for(self.slot))
+        run.target = self.name
+        return run
 
 
 _Driver = _Served | _Raw
@@ -205,17 +235,21 @@ def _meta(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def _prompt_token_check(runs: list[RunResult], raw_tokens: list[int] | None,
-                        workload: Workload) -> dict[str, Any]:
-    """Does each server count the same prompt tokens as the raw path?"""
-    if not raw_tokens:
-        return {}
+def _prompt_token_check(runs: list[RunResult], raw_tokens: dict[str, list[int]],
+                        workload: Workload, api: str) -> dict[str, Any]:
+    """Does each server count the same prompt tokens as the raw path?
+    ``raw_tokens`` is raw's count of every job by prompt form
+    (``_apis.prompt_form``); a target's API is its slot's, else ``api``."""
     out: dict[str, Any] = {}
     for run in runs:
-        if run.target in (RAW, RAW_KERNELS):
+        kind, slot = split_target(run.target)
+        if kind in (RAW, RAW_KERNELS):
+            continue
+        counts = raw_tokens.get(prompt_form(slot_api(slot) if slot is not None else api))
+        if not counts:
             continue
         seen = [(r.index, r.prompt_tokens) for r in run.requests if r.prompt_tokens is not None]
-        bad = sum(1 for i, n in seen if raw_tokens[i % len(workload.jobs)] != n)
+        bad = sum(1 for i, n in seen if counts[i % len(workload.jobs)] != n)
         agg = out.setdefault(run.target, {"checked": 0, "mismatched": 0})
         agg["checked"] += len(seen)
         agg["mismatched"] += bad
@@ -227,55 +261,82 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     workload, levels, warmup = plan(cfg)
     runs: list[RunResult] = []
     skipped: dict[str, str] = {}
-    notes: dict[str, Any] = {}
+    raw_tokens: dict[str, list[int]] = {}  # raw's prompt lengths by prompt form
     log_dir = Path(cfg.out_dir) / "logs"
     meta = _meta(cfg)
     t0 = time.perf_counter()
     batch = cfg.max_batch or max(cfg.concurrency, default=32)
+    slots = cfg.slots()  # () in a one-API run: plain target names, cfg.api
+    multi = bool(slots)
+    apis = [slot_api(s) for s in slots] if multi else [cfg.api]
 
     names = [t for t in ALL_TARGETS if t in cfg.targets]
     if "ours" in names and not _servers.ours_available():
         names.remove("ours")
         skipped[OURS] = "afm serve is not available (afm_http._serve_cli not importable)"
-    if "peer" in names and cfg.api not in PEER_APIS:
+    if "peer" in names and not any(a in PEER_APIS for a in apis):
         names.remove("peer")
-        skipped[PEER] = f"mlx_lm.server does not serve the {cfg.api} API"
+        skipped[PEER] = f"mlx_lm.server does not serve the {' or '.join(dict.fromkeys(apis))} API"
+    if "peer" in names and multi:
+        for slot in slots:
+            if slot_api(slot) not in PEER_APIS:
+                skipped[slot_target(PEER, slot)] = (f"mlx_lm.server does not serve the "
+                                                    f"{slot_api(slot)} API")
     if cfg.url:
         _loadgen.require_loopback(cfg.url)
         names.append("url")
 
-    async def open_driver(name: str, stack: AsyncExitStack) -> _Driver | None:
-        """Start (or load) one target inside ``stack``; None if it failed."""
+    async def open_drivers(name: str, stack: AsyncExitStack) -> dict[str, _Driver]:
+        """Start (or load) one target inside ``stack``: its driver, or one
+        per API slot; by slot ("" in a one-API run); empty if it failed."""
         if name in ("raw", "raw_kernels"):
             kernels = name == "raw_kernels"
-            runner = RawRunner(cfg.model, kernels=kernels, name=RAW_KERNELS if kernels else RAW,
-                               api=cfg.api)
-            stack.push_async_callback(runner.aclose)
-            await runner.load()
-            if not kernels:
-                notes["raw_prompt_tokens"] = await runner.prompt_tokens(workload)
-            return _Raw(runner, workload, cfg)
+            label = RAW_KERNELS if kernels else RAW
+            runners: dict[str, RawRunner] = {}  # one loaded model per prompt form
+            for api in apis:
+                form = prompt_form(api)
+                if form not in runners:
+                    runner = RawRunner(cfg.model, kernels=kernels, name=label, api=api)
+                    stack.push_async_callback(runner.aclose)
+                    await runner.load()
+                    if not kernels:
+                        raw_tokens[form] = await runner.prompt_tokens(workload)
+                    runners[form] = runner
+            if not multi:
+                return {"": _Raw(runners[prompt_form(cfg.api)], workload, cfg)}
+            return {slot: _Raw(runners[prompt_form(slot_api(slot))], workload, cfg,
+                               name=slot_target(label, slot), slot=k)
+                    for k, slot in enumerate(slots)}
         if name == "url":
             assert cfg.url is not None
-            return _Served(_loadgen.Target("url", cfg.url, model=cfg.url_model,
-                                           profile=cfg.profile, api=cfg.api), workload, cfg)
-        port = _servers.free_port()
-        if name == "peer":
-            spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch,
-                                      extra=cfg.peer_args)
+            base, label, model_field = cfg.url, "url", cfg.url_model
         else:
-            spec = _servers.ours_spec(cfg.model, port, max_batch=batch, extra=cfg.serve_args)
-        _log(f"starting {spec.name}: {' '.join(spec.argv)}")
-        try:
-            base = await stack.enter_async_context(
-                _servers.serving(spec, port, log_dir, startup_timeout=cfg.startup_timeout))
-        except ServerStartError as exc:
-            skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
-            _log(skipped[spec.name])
-            return None
-        stack.callback(_log, f"stopped {spec.name}")
-        return _Served(_loadgen.Target(spec.name, base, model=spec.model_field,
-                                       profile=cfg.profile, api=cfg.api), workload, cfg)
+            port = _servers.free_port()
+            if name == "peer":
+                spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch,
+                                          extra=cfg.peer_args)
+            else:
+                spec = _servers.ours_spec(cfg.model, port, max_batch=batch, extra=cfg.serve_args)
+            _log(f"starting {spec.name}: {' '.join(spec.argv)}")
+            try:
+                base = await stack.enter_async_context(
+                    _servers.serving(spec, port, log_dir, startup_timeout=cfg.startup_timeout))
+            except ServerStartError as exc:
+                skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
+                _log(skipped[spec.name])
+                return {}
+            stack.callback(_log, f"stopped {spec.name}")
+            label, model_field = spec.name, spec.model_field
+
+        def served(target: str, api: str, slot: int = 0) -> _Served:
+            return _Served(_loadgen.Target(target, base, model=model_field, profile=cfg.profile,
+                                           api=api), workload, cfg, slot=slot)
+
+        if not multi:
+            return {"": served(label, cfg.api)}
+        return {slot: served(slot_target(label, slot), slot_api(slot), k)
+                for k, slot in enumerate(slots)
+                if name != "peer" or slot_api(slot) in PEER_APIS}
 
     async def warm(driver: _Driver) -> None:
         if warmup.n > 0:
@@ -288,10 +349,12 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _log(_brief(run) + (f" (round {lv.round + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
 
     with trio.move_on_after(cfg.time_budget) as budget:
-        if cfg.interleave:
+        if cfg.interleave or multi:
             # every target up at once; each level runs on all targets back to back
             async with AsyncExitStack() as stack:
-                drivers = [d for n in names if (d := await open_driver(n, stack)) is not None]
+                opened = [await open_drivers(n, stack) for n in names]
+                # slot by slot: an API's raw and served sides run back to back
+                drivers = [by[s] for s in (slots or ("",)) for by in opened if s in by]
                 for d in drivers:
                     await warm(d)
                 for lv in levels:
@@ -303,18 +366,20 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             for n in names:
                 _log(f"target {n}")
                 async with AsyncExitStack() as stack:
-                    d = await open_driver(n, stack)
-                    if d is not None:
+                    for d in (await open_drivers(n, stack)).values():
                         await warm(d)
                         for lv in levels:
                             await one_level(d, lv)
     if budget.cancelled_caught:
         skipped["time_budget"] = f"total time budget of {cfg.time_budget:g} s ran out"
     config = asdict(cfg)
+    if multi:
+        config["interleave"] = True  # several APIs always run interleaved
+        config["slots"] = list(slots)
     config["workload"] = workload.describe()
     meta["elapsed_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = list(os.getloadavg())
     report = build_report(runs, meta=meta, config=config, skipped=skipped)
     report["checks"] = {"prompt_tokens_vs_raw":
-                        _prompt_token_check(runs, notes.get("raw_prompt_tokens"), workload)}
+                        _prompt_token_check(runs, raw_tokens, workload, cfg.api)}
     return report
