@@ -1,0 +1,165 @@
+"""``afm bench --api chat,completions,...``: several wire APIs in one run.
+
+Slot naming, the plan's job ranges (each API its own prompts), the report's
+per-slot ratios and the API comparison, the CLI, and one short run of raw
+and ``afm serve`` on the random tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from afm_core.bench._apis import prompt_form, slot_api, slot_names, slot_target, split_target
+from afm_core.bench._report import baseline, build_report, format_table, reference_slot
+from afm_core.bench._results import RequestResult, RunResult
+from afm_core.bench._run import BenchConfig, plan
+
+
+def test_slot_names_number_repeats() -> None:
+    slots = slot_names(["chat", "completions", "messages", "responses", "chat", "chat"])
+    assert slots == ("chat", "completions", "messages", "responses", "chat#2", "chat#3")
+    assert [slot_api(s) for s in slots] == ["chat", "completions", "messages", "responses",
+                                            "chat", "chat"]
+    # the raw path tokenizes completions' text as it is, every other API through the template
+    assert [prompt_form(slot_api(s)) for s in slots[:4]] == ["chat", "completions", "chat", "chat"]
+    assert slot_target("ours", "chat#2") == "ours[chat#2]"
+    assert split_target("ours[chat#2]") == ("ours", "chat#2")
+    assert split_target("raw+kernels[messages]") == ("raw+kernels", "messages")
+    assert split_target("mlx_lm.server") == ("mlx_lm.server", None)
+    with pytest.raises(ValueError):
+        slot_names(["chat", "embeddings"])
+    assert reference_slot(("messages", "chat", "chat#2")) == "chat"
+    assert reference_slot(("messages", "responses")) == "messages"
+    assert baseline("ours[messages]") == "raw[messages]" and baseline("ours") == "raw"
+
+
+def test_plan_gives_every_api_its_own_jobs() -> None:
+    cfg = BenchConfig(model="/m", out_dir="/o", apis=("chat", "messages", "chat"),
+                      concurrency=(1, 8), requests=4, rates=(5.0,), open_requests=3,
+                      warmup=2, rounds=2)
+    assert cfg.slots() == ("chat", "messages", "chat#2")
+    workload, levels, warmup = plan(cfg)
+    spans = [(lv.first_for(k), lv.first_for(k) + lv.n) for lv in levels for k in range(3)]
+    flat = [i for a, b in spans for i in range(a, b)]
+    assert flat == list(range(len(flat)))  # disjoint and back to back: no prompt sent twice
+    assert [(lv.level, lv.round, lv.first_index) for lv in levels] == [
+        (1.0, 0, 0), (1.0, 1, 12), (8.0, 0, 24), (8.0, 1, 36), (5.0, 0, 48), (5.0, 1, 57)]
+    assert warmup.first_index == 66 and len(workload.jobs) == 68
+    # one API (or none given) plans as before: first_for(0) is the level's first job
+    one = BenchConfig(model="/m", out_dir="/o", apis=("messages",), requests=4, concurrency=(1,))
+    assert one.slots() == () and [lv.first_for(0) for lv in plan(one)[1]] == [0]
+
+
+def _runs(target: str, tok_by_round: list[int]) -> list[RunResult]:
+    out = []
+    for r, tokens in enumerate(tok_by_round):
+        reqs = [RequestResult(index=i, ttft=0.01, e2e=0.11, itls=[0.01], output_tokens=tokens)
+                for i in range(4)]
+        run = RunResult(target, "closed", 1.0, 1.0, reqs)
+        run.round = r
+        out.append(run)
+    return out
+
+
+def _report() -> dict:
+    runs = (_runs("raw[chat]", [100, 100, 50]) + _runs("ours[chat]", [90, 95, 45])
+            + _runs("raw[completions]", [100, 100, 100]) + _runs("ours[completions]", [81, 95, 88])
+            + _runs("raw[chat#2]", [100, 100, 100]) + _runs("ours[chat#2]", [90, 96, 90])
+            + _runs("mlx_lm.server[chat]", [50, 50, 25]))
+    return build_report(runs, meta={}, skipped={},
+                        config={"rounds": 3, "api": "chat", "apis": ["chat", "completions", "chat"],
+                                "slots": ["chat", "completions", "chat#2"]})
+
+
+def test_report_sets_each_api_against_its_own_raw() -> None:
+    rep = _report()
+    (entry,) = rep["levels"]
+    vs = entry["vs_raw"]
+    assert set(vs) == {"ours[chat]", "ours[completions]", "ours[chat#2]", "mlx_lm.server[chat]"}
+    assert vs["ours[chat]"]["output_tokens_per_s_by_round"] == pytest.approx([0.90, 0.95, 0.90])
+    assert vs["ours[completions]"]["output_tokens_per_s"] == pytest.approx(0.88)
+    assert entry["ours_vs_peer_by_api"]["chat"]["output_tokens_per_s"] == pytest.approx(1.8)
+    assert "ours_vs_peer" not in entry  # that key keeps its one-API meaning
+
+    cmp = entry["api_comparison"]
+    assert cmp["reference"] == "chat"
+    ours = cmp["ours"]
+    assert list(ours) == ["chat", "completions", "chat#2"]
+    assert ours["chat"]["ratio"]["median"] == pytest.approx(0.90)
+    assert (ours["chat"]["ratio"]["min"], ours["chat"]["ratio"]["max"]) == pytest.approx((0.90, 0.95))
+    assert "vs_reference_pct" not in ours["chat"]
+    # each round's ratio over chat's in the same round: 81/90, 95/95, 88/90
+    d = ours["completions"]["vs_reference_pct"]
+    assert d["by_round"] == pytest.approx([-10.0, 0.0, 100 * (88 / 90 - 1)])
+    assert d["median"] == pytest.approx(100 * (88 / 90 - 1))
+    assert (d["min"], d["max"]) == pytest.approx((-10.0, 0.0))
+    aa = ours["chat#2"]["vs_reference_pct"]
+    assert aa["by_round"] == pytest.approx([0.0, 100 * (96 / 95 - 1), 0.0])
+    assert cmp["mlx_lm.server"]["chat"]["ratio"]["median"] == pytest.approx(0.5)
+    json.dumps(rep, allow_nan=False)
+
+
+def test_table_answers_the_comparison() -> None:
+    table = format_table(_report())
+    assert "wire APIs chat, completions, chat#2 in one run" in table
+    assert "ours[completions]" in table and "ours/peer[chat]" in table
+    section = table[table.index("ours ÷ raw, tokens/s, by wire API"):]
+    rows = {line.split()[1]: line.split() for line in section.splitlines()[3:6]}
+    assert rows["chat"][2:4] == ["0.900", "[0.900-0.950]"] and rows["chat"][4] == "-"
+    assert rows["completions"][2:7] == ["0.880", "[0.810-0.950]", "-2.2%", "[-10.0%,", "+0.0%]"]
+    assert rows["chat#2"][4] == "+0.0%"
+    assert "mlx_lm.server ÷ raw" in table
+
+
+def test_one_api_report_has_no_comparison() -> None:
+    runs = _runs("raw", [100, 100]) + _runs("ours", [90, 95])
+    rep = build_report(runs, meta={}, config={"rounds": 2, "api": "messages"}, skipped={})
+    (entry,) = rep["levels"]
+    assert set(entry) == {"mode", "level", "label", "by_target", "vs_raw"}
+    table = format_table(rep)
+    assert table.startswith("served targets driven through the messages API\nlevel       target  ")
+    assert "by wire API" not in table
+
+
+def test_cli_takes_a_list_of_apis(tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    for bad in ("chat,embeddings", ","):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--api", bad, "--out", str(tmp_path)])
+        assert exc.value.code == 2
+    # the real-model comparison drives chat only, and still says so
+    assert main(["bench", "--real-model", "--api", "chat,messages", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--real-model", "--api", "messages", "--out", str(tmp_path)]) == 2
+
+
+def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw,ours",
+               "--api", "chat,completions,chat", "--rounds", "2", "--concurrency", "2",
+               "--requests", "3", "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
+               "--request-timeout", "20", "--level-timeout", "30", "--time-budget", "90",
+               "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["config"]["interleave"] is True  # implied
+    assert rep["config"]["slots"] == ["chat", "completions", "chat#2"]
+    # slot by slot, raw next to the server's target of the same API
+    assert rep["targets"] == ["raw[chat]", "ours[chat]", "raw[completions]", "ours[completions]",
+                              "raw[chat#2]", "ours[chat#2]"]
+    (entry,) = rep["levels"]
+    for name in rep["targets"]:
+        s = entry["by_target"][name]
+        assert s["requests"] == 6 and s["ok"] == 6 and s["errors"] == {}, (name, s)
+    assert set(entry["api_comparison"]["ours"]) == {"chat", "completions", "chat#2"}
+    assert len(entry["api_comparison"]["ours"]["chat#2"]["vs_reference_pct"]["by_round"]) == 2
+    # one server for every API, and every API's prompts counted as raw counted them
+    assert len(list((out / "logs").glob("ours-*.log"))) == 1
+    checks = rep["checks"]["prompt_tokens_vs_raw"]
+    assert set(checks) == {"ours[chat]", "ours[completions]", "ours[chat#2]"}
+    assert all(c["checked"] == 6 and c["mismatched"] == 0 for c in checks.values()), checks
+    assert "ours ÷ raw, tokens/s, by wire API" in (out / "report.txt").read_text()
