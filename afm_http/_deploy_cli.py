@@ -137,7 +137,7 @@ defaults
     timeout check 2s
     # no 'compression': SSE frames pass as afm writes them; and each at once: without
     # http-no-delay HAProxy sends small frames with MSG_MORE and the kernel holds them back
-    # (measured: +16 ms TTFT p50 for a lone stream, +40 ms at 8 streams)
+    # (measured: +16 ms TTFT p50 for a lone stream, +42 ms at 8 streams)
     option http-no-delay
 
 frontend afm
