@@ -395,7 +395,7 @@ async def test_kill_9_under_load(up: Cluster) -> None:
           f"{cut_after * 1000:.0f} ms; the other {24 - len(on_victim)} finished; marked DOWN after "
           f"{down_after:.2f} s; {len(fresh)} new requests ({before_down} before DOWN), "
           f"{len(answered)} answered 200 by the others")
-    assert cut_after < 5
+    assert cut_after < 20  # a hang guard (measured: tens of ms), not a timing claim
     for s in results:
         if s.replica == victim.name:
             assert not s.done and s.error is not None, s.frames[-2:]  # a clean end, not a hang
@@ -403,7 +403,7 @@ async def test_kill_9_under_load(up: Cluster) -> None:
             assert s.error is None and s.done and s.finish_reason == "length", (s.replica, s.error)
     assert len(answered) == len(fresh), fresh
     assert all(r.headers["x-afm-replica"] != victim.name for r in answered)
-    assert down_after < 5, down_after  # inter 1s fall 2 (+ check timeout)
+    assert down_after < 15, down_after  # a hang guard; inter 1s fall 2 makes it ~1-2 s
     assert elapsed < 60
     counts = await wait_idle(up)
     assert victim.name not in counts

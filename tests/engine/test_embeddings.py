@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 
 from afm_core import (
     ContentDelta,
@@ -133,7 +134,7 @@ async def test_embedding_calls_count_in_statistics_and_admission(random_model_di
 
             nursery.start_soon(embed_many)
             await started.wait()
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             assert engine.statistics().embeddings_active == 1
             with pytest.raises(EngineBusyError):
                 async with engine.stream(req):

@@ -6,14 +6,21 @@ from __future__ import annotations
 import json
 import re
 import types
-from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import afm_http
-from afm_core import DuplicateRequestError, EngineBusyError, RequestError, SSEEncoder, StreamFailure
+from afm_core import (
+    DuplicateRequestError,
+    EngineBusyError,
+    EngineStatistics,
+    RequestError,
+    SSEEncoder,
+    StreamFailure,
+)
 from afm_core._mlx.blas import BlasInfo
 from afm_http._body import parse_json
 from afm_http._errors import from_exception
@@ -102,29 +109,22 @@ async def test_error_mapping() -> None:
     assert big.status_code == 413 and big.headers["Connection"] == "close"
 
 
-@dataclass
-class _Stats:
-    running: int = 2
-    waiting: int = 1
-    requests_active: int = 3
-    requests_total: int = 10
-    prompt_tokens: int = 100
-    generation_tokens: int = 50
-    prefix_cache_hits: int = 4
-    prefix_cache_lookups: int = 9
-    cached_tokens: int = 30
-    prefix_cache_bytes: int = 4096
-    steps: int = 77
-    ttft_seconds_sum: float = 0.25
-    ttft_count: int = 10
-    finished: dict[str, int] = field(default_factory=lambda: {"stop": 7, "cancelled": 2})
+def _stats(**kw: Any) -> EngineStatistics:
+    """A statistics snapshot (the real type: a new field cannot be missed here)."""
+    values: dict[str, Any] = dict(
+        running=2, waiting=1, requests_total=10, requests_active=3, prompt_tokens=100,
+        cached_tokens=30, generation_tokens=50, prefix_cache_hits=4, prefix_cache_lookups=9,
+        prefix_cache_bytes=4096, steps=77, ttft_seconds_sum=0.25, ttft_count=10,
+        finished={"stop": 7, "cancelled": 2})
+    return EngineStatistics(**{**values, **kw})
 
 
 def test_metrics_text() -> None:
-    text = render(_Stats(), 'we"ird\\name\n', {200: 5, 404: 1})
+    text = render([(_stats(), 'we"ird\\name\n'), (_stats(running=0), "emb")], {200: 5, 404: 1})
     lines = text.splitlines()
     label = 'model="we\\"ird\\\\name\\n"'
     assert f"afm_requests_running{{{label}}} 2" in lines
+    assert 'afm_requests_running{model="emb"} 0' in lines  # one line per engine, one family
     assert f"afm_prefix_cache_hits_total{{{label}}} 4" in lines
     assert f"afm_time_to_first_token_seconds_count{{{label}}} 10" in lines
     assert f'afm_requests_finished_total{{{label},reason="cancelled"}} 2' in lines
