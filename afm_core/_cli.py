@@ -25,6 +25,7 @@ _HELP: dict[str, str] = {
     "convert-gguf": "convert a llama GGUF file to an mlx-lm directory",
     "fetch-default": "fetch and convert the embedded default model",
     "bench": "benchmark a served model against raw mlx-lm and peers",
+    "deploy": "write the configuration that runs afm replicas behind a balancer (haproxy)",
 }
 
 
