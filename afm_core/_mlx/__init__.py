@@ -4,7 +4,9 @@ Owns: the decode batch and padding-free prefill built on mlx-lm's
 ``BatchGenerator`` / ``GenerationBatch`` private fields (:mod:`.batch`,
 :mod:`.prefill`, which also scores a prompt's own tokens for the rows that
 ask: ``PromptScores``), the prefix-cache index over mlx-lm's ``PromptTrie``
-(:mod:`.prefix_cache`), fused CPU kernels and matmul-friendly weights
+(:mod:`.prefix_cache`) and its disk tier (:mod:`.disk_cache`: entries as
+files in mlx-lm's prompt-cache format with a checksum, :mod:`.cache_file`,
+written and read by a background I/O thread), fused CPU kernels and matmul-friendly weights
 (:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
 (:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
 (:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
@@ -22,7 +24,7 @@ release, and ``qmm_ext`` compiles against the mlx wheel's headers.  An mlx-lm
 bump should touch this folder only: bump the pin, run ``make test``, fix
 what fails here.
 
-May import: mlx, mlx-lm and the standard library (``blas`` must not import
+May import: mlx, mlx-lm, numpy and the standard library (``blas`` must not import
 mlx at module level).  Never ``afm_core._engine``, ``_models`` or
 ``_stream``.
 """

@@ -17,15 +17,21 @@ on every insert and removal.  The search then walks straight down to that
 sequence: as many steps as it is long.  Every lookup returns what mlx-lm's
 returns, except that among several shortest sequences it may pick another one
 (any gives the same cached prefix).
+
+:func:`served_prefix` says, without copying anything, which stored value
+mlx-lm's ``fetch_nearest_cache`` would serve a prompt from and how many of
+its tokens: the disk tier (:mod:`.disk_cache`) matches with the same rules,
+and the engine compares the two tiers' answers with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult
+from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult, can_trim_prompt_cache
 
-__all__ = ["PrefixTrie", "make_prefix_cache"]
+__all__ = ["PrefixTrie", "make_prefix_cache", "memory_served", "served_prefix"]
 
 _VALUE = "__value__"
 _MIN = "__min__"
@@ -123,3 +129,31 @@ def make_prefix_cache(max_size: int, max_bytes: int) -> LRUPromptCache:
     cache = LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
     cache._trie = PrefixTrie()
     return cache
+
+
+def served_prefix(trie: PromptTrie, model: Any, tokens: list[int],
+                  trimmable: Callable[[Any], bool]) -> tuple[Any, int] | None:
+    """The stored value ``LRUPromptCache.fetch_nearest_cache`` would serve
+    ``tokens`` from, with the number of their tokens it serves (``len(tokens)``
+    for an exact match; the engine then recomputes the last one), or None.
+    Its rules: an exact match; else the shortest stored sequence that goes
+    on past where ``tokens`` leave the stored paths, trimmed to the common
+    part (if ``trimmable(value)``, and if that is longer than the longest
+    stored prefix of ``tokens``); else that prefix."""
+    result = trie.search(model, tokens)
+    if result.exact is not None:
+        return trie.get(model, result.exact), len(tokens)
+    short = len(result.shorter) if result.shorter is not None else 0
+    if result.longer is not None and result.common_prefix > short:
+        value = trie.get(model, result.longer)
+        if trimmable(value):
+            return value, min(len(tokens) - 1, result.common_prefix)
+    if result.shorter is not None and short > 0:
+        return trie.get(model, result.shorter), short
+    return None
+
+
+def memory_served(cache: LRUPromptCache, model: Any, tokens: list[int]) -> int:
+    """How many of ``tokens`` ``cache.fetch_nearest_cache`` would serve (0: none)."""
+    found = served_prefix(cache._trie, model, tokens, lambda e: can_trim_prompt_cache(e.prompt_cache))
+    return found[1] if found is not None else 0

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import PromptTrie
 
-from afm_core._mlx.prefix_cache import PrefixTrie, make_prefix_cache
+from afm_core._mlx.prefix_cache import PrefixTrie, make_prefix_cache, memory_served, served_prefix
 
 # short sequences over a small alphabet, so that they share prefixes often
 seqs = st.lists(st.integers(0, 3), min_size=0, max_size=7)
@@ -72,3 +72,39 @@ def test_the_lru_cache_reuses_the_shortest_entry_through_a_shared_start() -> Non
     cache.trim_to(n_sequences=1)  # evicts the two oldest
     result = cache._trie.search("m", [1, 2, 3, 5])
     assert result.longer == [1, 2, 9] and result.common_prefix == 2
+
+
+class _Fake:
+    """A stand-in layer cache: its length, trimmable or not."""
+
+    def __init__(self, n: int, trimmable: bool):
+        self.offset, self.trimmable = n, trimmable
+
+    nbytes = 1
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(seqs, st.booleans()), max_size=8), st.lists(seqs, min_size=1, max_size=8))
+def test_served_prefix_says_what_fetch_nearest_cache_serves(stored: list[tuple[list[int], bool]],
+                                                            prompts: list[list[int]]) -> None:
+    """The disk tier's matching (and the tiers' comparison) follows mlx-lm's fetch."""
+    cache = make_prefix_cache(max_size=64, max_bytes=1 << 30)
+    for tokens, trimmable in stored:
+        cache.insert_cache("m", list(tokens), [_Fake(len(tokens), trimmable)])
+    for prompt in prompts:
+        got, rest = cache.fetch_nearest_cache("m", list(prompt))
+        served = len(prompt) - len(rest) if got is not None else 0
+        assert memory_served(cache, "m", list(prompt)) == served
+        if got is not None and served:
+            # the value served_prefix names is the one fetched (its length, once trimmed)
+            found = served_prefix(cache._trie, "m", list(prompt), lambda e: e.prompt_cache[0].is_trimmable())
+            assert found is not None and found[1] == served
+            assert got[0].offset == served
