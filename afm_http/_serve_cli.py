@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens per prefill step (default: 2048)")
     engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=1 << 30,
                         help="prompt prefix cache budget, 0 disables it (default: 1 GiB)")
+    engine.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="keep the prefix cache on disk too, in DIR (created if missing): every "
+                             "finished request's cache is written there in the background, read back "
+                             "when memory no longer holds it, and found again after a restart "
+                             "(one directory per server; not with --distributed; default: memory only)")
+    engine.add_argument("--cache-disk-bytes", type=_int_at_least(0), default=8 << 30, metavar="N",
+                        help="bytes --cache-dir may use; the least recently used entries are deleted "
+                             "beyond (default: 8 GiB)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
                         help="cap for requests without max_tokens (default: the rest of the context)")
     engine.add_argument("--no-grammar", action="store_true",
@@ -169,6 +177,7 @@ async def _main(args: argparse.Namespace) -> None:
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
                            prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
                            prefix_cache_bytes=args.prefix_cache_bytes,
+                           cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
                            default_max_tokens=args.default_max_tokens,
                            grammar=not args.no_grammar,
                            warmup=not args.no_warmup,
@@ -234,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean shutdown, 1 when the server cannot start."""
     from afm_core import AFMError
 
+    if args.cache_dir is not None and args.distributed is not None:
+        _say("--cache-dir cannot be used with --distributed: each rank holds only its shard of "
+             "every cached prefix (the memory tier works on every rank)")
+        return 1
     if (status := _distributed.follow(args)) is not None:
         return status  # a rank other than 0 of --distributed: it followed rank 0's steps
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -4,6 +4,7 @@ that request preparation and the engine read them without importing each other."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["WARMUP_WIDTH", "DistributedConfig", "EngineConfig"]
 
@@ -91,6 +92,20 @@ class EngineConfig:
     The running batch's own caches count against the budget, and the least
     recently used entries go first (at most 256 are kept); 0 disables the
     cache (no lookups, nothing kept).  Memory traded for prefill time."""
+    cache_dir: str | Path | None = None
+    """A directory for the prefix cache's disk tier (created if missing);
+    None (the default) keeps the cache in memory only.  Every finished
+    request's cache is also written there (in the background, one
+    checksummed file per entry, mlx-lm's prompt-cache format), so a prompt
+    the memory tier no longer holds (evicted, or the server restarted) is
+    read back instead of prefilled, and moves into memory again.  Entries of
+    another model (or of this model's files changed since) are ignored; a
+    corrupt or truncated file is deleted, never served.  One directory per
+    server process.  With ``prefix_cache_bytes`` 0 the disk is the only
+    tier.  Not with ``distributed``."""
+    cache_disk_bytes: int = 8 << 30
+    """Bytes the disk tier may use (8 GiB by default); beyond, the least
+    recently used entries (written or read) are deleted."""
     default_max_tokens: int | None = None
     """Tokens a request may generate when it gives no ``max_tokens``;
     ``None`` (the default) allows the rest of the context (the model's
@@ -150,3 +165,10 @@ class EngineConfig:
             raise ValueError("embedding_pooling must be 'mean', 'last' or 'cls'")
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")
+        if self.cache_disk_bytes < 0:
+            raise ValueError("cache_disk_bytes must be >= 0")
+        if self.cache_dir is not None and self.distributed is not None:
+            # every rank holds its own shard of each cache: rank 0's files would
+            # serve its shard only, and the followers replay the memory tier alone
+            raise ValueError("cache_dir (the prefix cache's disk tier) cannot be used with distributed: "
+                             "each rank holds only its shard of every cache")

@@ -67,7 +67,7 @@ from .commands import (
 from .config import WARMUP_WIDTH, EngineConfig
 from .genthread import run_on_generation_thread
 from .mailbox import Mailbox
-from .worker import Worker
+from .worker import Worker, WorkerStats
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -108,6 +108,33 @@ class EngineStatistics:
     """Their input tokens."""
     embeddings_active: int = 0
     """:meth:`Engine.embed` calls running now (they count toward ``max_waiting``)."""
+    prefix_cache_memory_hits: int = 0
+    """Lookups the memory tier of the prefix cache served (``prefix_cache_hits``
+    counts both tiers' hits)."""
+    prefix_cache_memory_misses: int = 0
+    """Lookups the memory tier did not serve (the disk tier may have)."""
+    prefix_cache_disk_hits: int = 0
+    """Lookups the disk tier (``EngineConfig.cache_dir``) served: its entry was
+    read back instead of prefilling the prompt's prefix."""
+    prefix_cache_disk_misses: int = 0
+    """Lookups neither tier served, with a disk tier."""
+    prefix_cache_disk_bytes: int = 0
+    """Bytes of the disk tier's files (this model's)."""
+    prefix_cache_disk_entries: int = 0
+    """Entries in the disk tier."""
+    prefix_cache_disk_writes: int = 0
+    """Entries written to the disk tier."""
+    prefix_cache_disk_written_bytes: int = 0
+    """Their bytes."""
+    prefix_cache_disk_read_bytes: int = 0
+    """Bytes read back from the disk tier."""
+    prefix_cache_disk_evictions: int = 0
+    """Entries deleted to keep the disk tier within ``cache_disk_bytes``."""
+    prefix_cache_disk_corrupt: int = 0
+    """Disk entries found corrupt or truncated (deleted, never served)."""
+    prefix_cache_disk_dropped_writes: int = 0
+    """Writes given up (superseded by a longer entry before they began, more
+    pending than the disk keeps up with, or failed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +335,7 @@ class Engine:
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
+                    cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -707,6 +735,7 @@ class Engine:
             embedding_requests=self._embedding_requests,
             embedding_tokens=self._embedding_tokens,
             embeddings_active=self._embedding_calls,
+            **_tier_statistics(ws),
         )
 
     # -- internals -------------------------------------------------------------
@@ -768,6 +797,17 @@ class Engine:
             tables=self._detok_tables, config=self.config, profile=profile, t_submit=record.t_submit,
             progress=progress,
         )
+
+
+def _tier_statistics(ws: WorkerStats | None) -> dict[str, int]:
+    """The per-tier prefix-cache fields of :class:`EngineStatistics` from the worker's counters."""
+    if ws is None:
+        return {}
+    names = ("disk_hits", "disk_misses", "disk_bytes", "disk_entries", "disk_writes", "disk_written_bytes",
+             "disk_read_bytes", "disk_evictions", "disk_corrupt", "disk_dropped_writes", "memory_hits")
+    fields = {f"prefix_cache_{n}": getattr(ws, f"prefix_cache_{n}") for n in names}
+    fields["prefix_cache_memory_misses"] = ws.prefix_cache_lookups - ws.prefix_cache_memory_hits
+    return fields
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:

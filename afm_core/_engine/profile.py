@@ -17,6 +17,9 @@ queue_s                s       submission to admission by the generation
 prompt_tokens,         tokens  as in usage
 completion_tokens,
 cached_tokens
+prefix_tier            text    which tier of the prefix cache served the
+                               ``cached_tokens``: ``memory``, ``disk`` (read
+                               back from ``cache_dir``), or null (none)
 memory_weights_gib     GiB     bytes of the model's parameters
 memory_kv_gib          GiB     bytes of this request's KV cache at the end
 memory_active_gib      GiB     ``mx.get_active_memory()`` at the end
@@ -103,6 +106,8 @@ class ProfileRecorder:
         self._last_t = t_submit
         self._batch_sum = 0
         self._batch_steps = 0
+        self.prefix_tier: str | None = None
+        """Set by the generation thread when the prefix cache serves the prompt."""
 
     def admitted(self, now: float) -> None:
         self.t_admit = now
@@ -157,6 +162,7 @@ class ProfileRecorder:
             "queue_s": _r(t_admit - self.t_submit, 4),
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
+            "prefix_tier": self.prefix_tier if cached_tokens else None,
             "completion_tokens": completion_tokens,
             "memory_weights_gib": _r(weights_bytes / GIB, 4),
             "memory_kv_gib": _r(kv_bytes / GIB, 6),

@@ -27,12 +27,25 @@ Jobs scoring their prompt (``prompt_top_logprobs``) neither lead nor park.
 (``processed`` = its cached tokens), for each prefill chunk (mlx-lm's prompt
 responses), and ``processed == total`` when its prefill ends, the step
 before its first token.
+
+**The prefix cache's tiers.**  Finished requests' caches go to the memory
+tier (mlx-lm's ``LRUPromptCache``) and, with ``cache_dir``, to the disk tier
+too (:class:`~afm_core._mlx.disk_cache.DiskPromptCache`, written in the
+background: write-through, so what a killed process had served is on disk
+but for the writes under way).  Admission asks both how much of the prompt
+they hold; the memory tier serves unless the disk tier holds enough more
+(``_DISK_GAIN``), in which case the job waits, out of the batch, for its
+entry to be read (by the disk tier's I/O thread, while the batch keeps
+decoding; ``loading``); the entry then moves into the memory tier and the
+job is inserted with its copy.  A file that turns out corrupt is deleted and
+the job falls back to the memory tier's answer.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -76,10 +89,18 @@ if TYPE_CHECKING:
     from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from .._mlx.disk_cache import DiskMatch, DiskPromptCache
     from .._mlx.prefill import EngineBatchGenerator, PromptScores
     from .sampling import SamplerCache
 
 log = logging.getLogger("afm.engine")
+
+_DISK_GAIN = 4
+"""The disk tier serves a prompt when the tokens it holds beyond the memory
+tier's answer, times this, reach its entry's length: reading an entry costs
+about its length (reading KV is many times faster than computing it), so a
+small gain from a long entry (a chat template's first tokens, shared with a
+long conversation) is not worth reading it."""
 
 
 @dataclass
@@ -97,6 +118,19 @@ class WorkerStats:
     prefix_cache_hits: int = 0
     prefix_cache_lookups: int = 0
     prefix_cache_bytes: int = 0
+    prefix_cache_memory_hits: int = 0
+    prefix_cache_disk_hits: int = 0
+    """Lookups served by the disk tier (each also a hit and a memory miss)."""
+    prefix_cache_disk_misses: int = 0
+    """Lookups neither tier served, with a disk tier."""
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_disk_entries: int = 0
+    prefix_cache_disk_writes: int = 0
+    prefix_cache_disk_written_bytes: int = 0
+    prefix_cache_disk_read_bytes: int = 0
+    prefix_cache_disk_evictions: int = 0
+    prefix_cache_disk_corrupt: int = 0
+    prefix_cache_disk_dropped_writes: int = 0
     shared_prefills: int = 0
     """Jobs started from another job's prefill of the same prompt (see the module docstring)."""
     parked: int = 0
@@ -118,6 +152,8 @@ class Worker:
         prefill_step: int,
         prefix_cache_bytes: int,
         model_key: str,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_disk_bytes: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -127,6 +163,10 @@ class Worker:
         self.prefill_step = prefill_step
         self.prefix_cache_bytes = prefix_cache_bytes
         self.model_key = model_key
+        self.cache_dir = cache_dir
+        self.cache_disk_bytes = cache_disk_bytes
+        self.disk: DiskPromptCache | None = None
+        self.loading: dict[JobKey, tuple[Job, DiskMatch]] = {}  # jobs waiting for a disk read
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.by_uid: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
@@ -196,6 +236,11 @@ class Worker:
             stream=self.stream,
         )
         self.prefix_cache: LRUPromptCache = self._new_prefix_cache()
+        if self.cache_dir is not None and self.disk is None:
+            from .._mlx.disk_cache import DiskPromptCache, model_fingerprint
+
+            self.disk = DiskPromptCache(self.cache_dir, self.cache_disk_bytes, model_fingerprint(self.model_key),
+                                        wake=self._wake)
         self.samplers: SamplerCache = SamplerCache()
         self.eos = set(eos)
         self.weights_bytes = _param_bytes(self.model)
@@ -203,6 +248,16 @@ class Worker:
         from .._mlx.blas import confirm
 
         self.blas = confirm().name
+
+    def _wake(self) -> None:
+        """(From the disk tier's I/O thread.)  Some disk work is done: an idle
+        loop wakes up to collect it."""
+        self.commands.put(Sync(_nothing))
+
+    @property
+    def caching(self) -> bool:
+        """Whether finished requests' caches are kept (in either tier)."""
+        return self.prefix_cache_bytes > 0 or self.disk is not None
 
     def _new_prefix_cache(self) -> LRUPromptCache:
         from .._mlx.prefix_cache import make_prefix_cache
@@ -218,13 +273,19 @@ class Worker:
             outputs[job.key] = Delivery((err,), True)
         self.by_key.clear()
         self.by_uid.clear()
+        self.loading.clear()
         if outputs:
             self.post(outputs)
+        if self.disk is not None:
+            try:
+                self.disk.close()  # the writes already queued still land
+            except Exception:  # the thread's failure is what is reported
+                log.exception("closing the prefix cache's disk tier failed")
 
     def loop(self) -> None:
         """The generation loop; returns after a ``stop`` command."""
         while True:
-            busy = bool(self.by_key)
+            busy = len(self.by_key) > len(self.loading)  # (a job waiting for a disk read needs no step)
             try:
                 cmd = self.commands.get(block=not busy)
             except queue.Empty:
@@ -242,8 +303,10 @@ class Worker:
                     cmd = self.commands.get_nowait()
                 except queue.Empty:
                     cmd = None
+            if self.disk is not None:
+                self._disk_done(outputs)
             self._readmit(outputs)
-            if self.by_key:
+            if len(self.by_key) > len(self.loading):
                 self._step(outputs)
                 self._readmit(outputs)
             self._update_stats()
@@ -266,6 +329,9 @@ class Worker:
             case Reset(done):
                 self.stats = WorkerStats()
                 self.prefix_cache = self._new_prefix_cache()
+                if self.disk is not None:
+                    self.disk.reset()
+                self._update_stats()
                 done()
             case Sync(done):
                 self.synced.append(done)
@@ -299,8 +365,6 @@ class Worker:
     def _admit(self, job: Job, outputs: Outputs) -> None:
         """Insert ``job`` into mlx-lm's batch, or park it on the job prefilling
         its prompt (see the module docstring)."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
         if not job.t_admitted:  # (a parked job whose leader left comes back here)
             job.t_admitted = time.perf_counter()
             if job.profile is not None:
@@ -325,18 +389,14 @@ class Worker:
                 # every position's logits are needed: no prefix cache, the whole prompt prefilled
                 scores = PromptScores(prompt, job.prompt_top_logprobs)
             cache, rest = None, prompt
-            if self.prefix_cache_bytes > 0 and scores is None:
+            if self.caching and scores is None:
                 self.stats.prefix_cache_lookups += 1
-                cache, rest = self.prefix_cache.fetch_nearest_cache(self.model_key, prompt)
-                if cache is not None and not rest:
-                    # exact hit: recompute the last token so generation has an input
-                    trim_prompt_cache(cache, 1)
-                    rest = prompt[-1:]
-                if cache is None:
-                    rest = prompt
+                if self._read_disk(job):
+                    return  # admitted when its entry has been read (_disk_done)
+                cache, rest = self._fetch_memory(prompt)
             job.cached_tokens = len(prompt) - len(rest)
-            if job.cached_tokens:
-                self.stats.prefix_cache_hits += 1
+            if scores is None and self.caching:
+                self._count_lookup(job, "memory")
             self._insert(job, rest, cache, scores)
         except Exception as exc:  # fail this request only
             log.exception("admitting request failed")
@@ -344,6 +404,107 @@ class Worker:
             outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
             return
         self._inserted(job, key)
+
+    def _fetch_memory(self, prompt: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """The memory tier's cache for ``prompt`` (a copy) and the tokens it leaves to compute."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        if self.prefix_cache_bytes <= 0:
+            return None, prompt
+        cache, rest = self.prefix_cache.fetch_nearest_cache(self.model_key, prompt)
+        if cache is None:
+            return None, prompt
+        if not rest:
+            # exact hit: recompute the last token so generation has an input
+            trim_prompt_cache(cache, 1)
+            rest = prompt[-1:]
+        return cache, rest
+
+    def _count_lookup(self, job: Job, tier: str) -> None:
+        """Count ``job``'s lookup as served by ``tier`` if it got cached tokens, else as a miss."""
+        s = self.stats
+        if not job.cached_tokens:
+            if self.disk is not None:
+                s.prefix_cache_disk_misses += 1
+            return
+        s.prefix_cache_hits += 1
+        if tier == "disk":
+            s.prefix_cache_disk_hits += 1
+        else:
+            s.prefix_cache_memory_hits += 1
+        if job.profile is not None:
+            job.profile.prefix_tier = tier
+
+    def _read_disk(self, job: Job) -> bool:
+        """Start reading the disk tier's entry for ``job`` if it holds enough
+        more of the prompt than the memory tier (see ``_DISK_GAIN``); True if
+        the job now waits for it."""
+        from .._mlx.prefix_cache import memory_served
+
+        disk = self.disk
+        if disk is None:
+            return False
+        prompt = job.prompt
+        match = disk.nearest(prompt)
+        if match is None:
+            return False
+        served = min(match.served, len(prompt) - 1)
+        in_memory = 0
+        if self.prefix_cache_bytes > 0:
+            in_memory = min(memory_served(self.prefix_cache, self.model_key, prompt), len(prompt) - 1)
+        gain = served - in_memory
+        if gain <= 0 or gain * _DISK_GAIN < len(match.entry.tokens):
+            return False
+        disk.load(match.entry)
+        self.loading[job.key] = (job, match)
+        self.by_key[job.key] = job
+        return True
+
+    def _disk_done(self, outputs: Outputs) -> None:
+        """Collect the disk tier's finished work: each entry read moves into the
+        memory tier, and the jobs waiting for it are inserted with a copy (or,
+        if the file failed, with the memory tier's answer)."""
+        assert self.disk is not None
+        for loaded in self.disk.poll():
+            waiting = [(job, match) for job, match in self.loading.values() if match.entry is loaded.entry]
+            for job, _ in waiting:
+                del self.loading[job.key]
+            cache = loaded.cache
+            promoted = cache is not None and self.prefix_cache_bytes > 0
+            if promoted:
+                assert cache is not None
+                self.prefix_cache.insert_cache(self.model_key, list(loaded.entry.tokens), cache)
+                self._trim_memory()
+            for n, (job, match) in enumerate(waiting):
+                mine = None
+                if cache is not None:
+                    mine = cache if not promoted and n == len(waiting) - 1 else copy.deepcopy(cache)
+                self._admit_read(job, match, mine, outputs)
+
+    def _admit_read(self, job: Job, match: DiskMatch, cache: list[Any] | None, outputs: Outputs) -> None:
+        """Insert ``job``, which waited for ``match``'s entry: ``cache`` is its
+        copy of it (None: the file failed, the memory tier serves)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        prompt = job.prompt
+        try:
+            if cache is None:
+                cache, rest = self._fetch_memory(prompt)
+                tier = "memory"
+            else:
+                keep = min(match.served, len(prompt) - 1)  # one prompt token is always computed
+                trim_prompt_cache(cache, len(match.entry.tokens) - keep)
+                rest = prompt[keep:]
+                tier = "disk"
+            job.cached_tokens = len(prompt) - len(rest)
+            self._count_lookup(job, tier)
+            self._insert(job, rest, cache, None)
+        except Exception as exc:  # fail this request only
+            log.exception("admitting request failed")
+            self.by_key.pop(job.key, None)
+            outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
+            return
+        self._inserted(job, _share_key(job))
 
     def _insert(self, job: Job, rest: list[int], cache: list[Any] | None, scores: PromptScores | None) -> None:
         """Insert ``job`` into mlx-lm's batch: ``rest`` is its prompt after
@@ -539,7 +700,7 @@ class Worker:
             self._forget(job)
         elif reason is not None:
             self._forget(job)
-            if self.prefix_cache_bytes > 0 and r.prompt_cache is not None and r.all_tokens is not None:
+            if self.caching and r.prompt_cache is not None and r.all_tokens is not None:
                 self._save_cache(r.all_tokens, r.prompt_cache)
         if reason is not None:
             if reason == "stop" and job.pipeline.saw_tool_call:
@@ -553,6 +714,12 @@ class Worker:
         s.prefilling = seen.prefilling
         s.queued = seen.waiting
         s.parked = sum(len(j.followers) for j in self.leaders.values())
+        if self.disk is not None:
+            d = self.disk.stats
+            s.prefix_cache_disk_bytes, s.prefix_cache_disk_entries = d.bytes, d.entries
+            s.prefix_cache_disk_writes, s.prefix_cache_disk_written_bytes = d.writes, d.written_bytes
+            s.prefix_cache_disk_read_bytes, s.prefix_cache_disk_evictions = d.read_bytes, d.evictions
+            s.prefix_cache_disk_corrupt, s.prefix_cache_disk_dropped_writes = d.corrupt, d.dropped_writes
 
     def _logprobs(self, token: int, logprobs: mx.array, k: int) -> LogprobsDelta:
         from .sampling import top_logprobs
@@ -636,6 +803,7 @@ class Worker:
             if not leader.followers and leader.uid is not None:
                 self.gen.shared.discard(leader.uid)
         self.orphans.pop(job.key, None)
+        self.loading.pop(job.key, None)
         self._prefill_ended(job)  # a leader leaving hands its parked jobs back to admission
         self.by_key.pop(job.key, None)
 
@@ -646,7 +814,17 @@ class Worker:
         # Asynchronously: waiting here would also wait for the step already
         # queued on the stream, and the next step could not be built meanwhile.
         self.mx.async_eval([c.state for c in cache])
-        self.prefix_cache.insert_cache(self.model_key, list(tokens), cache)
+        if self.prefix_cache_bytes > 0:
+            self.prefix_cache.insert_cache(self.model_key, list(tokens), cache)
+            self._trim_memory()
+        if self.disk is not None:
+            # written by the disk tier's I/O thread once that evaluation is done
+            from mlx_lm.models.cache import can_trim_prompt_cache
+
+            self.disk.save(list(tokens), cache, can_trim_prompt_cache(cache))
+
+    def _trim_memory(self) -> None:
+        """Evict from the memory tier down to its budget (the running batch's caches count)."""
         active = self.gen.prompt_cache_nbytes
         self.prefix_cache.trim_to(n_bytes=max(self.prefix_cache_bytes - active, 0))
         self.stats.prefix_cache_bytes = self.prefix_cache.nbytes
@@ -664,6 +842,12 @@ class Worker:
             self._remove(job)
             outputs[job.key] = Delivery((StreamFailure("the engine is shutting down", code="engine_closed"),), True)
         self.gen.close()
+        if self.disk is not None:
+            self.disk.close()  # the queued writes are finished first
+
+
+def _nothing() -> None:
+    pass
 
 
 def _share_key(job: Job) -> tuple[int, ...] | None:
