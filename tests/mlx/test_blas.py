@@ -165,3 +165,48 @@ out["child"] = os.waitstatus_to_exitcode(status)
 
 def test_physical_cores_is_sane() -> None:
     assert 1 <= _blas.physical_cores() <= (os.cpu_count() or 1)
+
+
+_ONE_ROW = """
+import json, numpy as np
+import mlx.core as mx
+from afm_core._mlx import blas as _blas
+_blas.confirm()
+rng = np.random.default_rng(0)
+errs, sgemv = [], []
+# one-row products as a decode step makes them: x @ W.T (W stored out x in) and x @ W,
+# wide (N > K: the head, up-projections) and narrow (N < K: down-projections)
+for k, n in ((64, 1000), (96, 96), (1000, 64)):
+    x = rng.standard_normal((1, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    want = x @ w.T
+    cases = (
+        (mx.matmul(mx.array(x), mx.array(w).T, stream=mx.cpu), want),
+        (mx.matmul(mx.array(x), mx.array(np.ascontiguousarray(w.T)), stream=mx.cpu), want),
+        (mx.matmul(mx.array(x.T).T, mx.array(w).T, stream=mx.cpu), want),  # x as a column of A^T
+        (mx.addmm(mx.ones((1, n)), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0, stream=mx.cpu),
+         0.5 * want + 2.0),
+    )
+    for got, expected in cases:
+        before = _blas.one_row_products()
+        mx.eval(got)
+        sgemv.append(_blas.one_row_products() - before)
+        errs.append(float(np.abs(np.array(got) - expected).max()))
+out = dict(errs=errs, sgemv=sgemv)
+"""
+
+
+@pytest.mark.parametrize(("mode", "routed"), [
+    ("auto", [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]),  # N >= K only
+    ("on", [1] * 12),
+    ("off", [0] * 12),
+])
+def test_one_row_products_through_sgemv(mode: str, routed: list[int]) -> None:
+    """``AFM_BLAS_GEMV``: a one-row product goes to sgemv as the mode says
+    (``auto``: when the output is at least as wide as the input), and every
+    result, transposed operands and alpha/beta included, equals numpy's."""
+    if _blas._shim_path() is None:
+        pytest.skip("afm_core._mlx.cblas_shim is not built")
+    out = run("import afm_core\n" + _ONE_ROW, {"AFM_BLAS_GEMV": mode})
+    assert out["sgemv"] == routed, out
+    assert max(out["errs"]) < 1e-3, out
