@@ -381,9 +381,10 @@ class DiskPromptCache:
         self.poll()
         for name in list(self._session):
             entry = self._lru.get(name)
-            if entry is not None and self._unindex(entry):
-                (self.dir / name).unlink(missing_ok=True)
+            if entry is not None:
+                self._delete(entry)
         self._session.clear()
+        self._unlink_now()  # (and the warm-up's entries its longer ones covered)
         self.stats = DiskStats(entries=len(self._lru), bytes=self.stats.bytes, corrupt=self._scan_corrupt)
 
     @property
@@ -404,8 +405,11 @@ class DiskPromptCache:
 
     def _unlink_now(self) -> None:
         """Delete the files queued for deletion, on this thread."""
-        while self._io.chores:
-            _, name = self._io.chores.popleft()
+        while True:
+            with self._io.lock:
+                if not self._io.chores:
+                    return
+                _, name = self._io.chores.popleft()
             (self.dir / name).unlink(missing_ok=True)
 
     # -- the I/O thread ---------------------------------------------------------------
