@@ -16,20 +16,12 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from ._argtypes import positive_seconds
+
 if TYPE_CHECKING:  # afm_core is imported when used: ``afm serve --help`` stays quick
     from afm_core import DistributedConfig
 
 __all__ = ["add_arguments", "config_from", "follow"]
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
-    return value
 
 
 def _seconds_or_never(text: str) -> float | None:
@@ -54,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--distributed-backend", default="any",
                        help="MLX distributed back-end (ring, mpi, jaccl, ...; default: the "
                             "one mlx.launch set up)")
-    group.add_argument("--distributed-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+    group.add_argument("--distributed-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
                        help="a collective step waiting longer than this means a rank is hung or "
                             "gone: open streams end with an error, /health turns 503 "
                             "(default: 60; keep it above the longest prefill step)")
-    group.add_argument("--distributed-heartbeat", type=_seconds, default=1.0, metavar="SECONDS",
+    group.add_argument("--distributed-heartbeat", type=positive_seconds, default=1.0, metavar="SECONDS",
                        help="idle rank 0 checks the other ranks this often (default: 1)")
     group.add_argument("--distributed-exit-after", type=_seconds_or_never, default=10.0,
                        metavar="SECONDS",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import _distributed
+from ._argtypes import positive_seconds
 
 if TYPE_CHECKING:
     from afm_core import Engine
@@ -38,16 +39,6 @@ def _int_at_least(lo: int) -> Callable[[str], int]:
         return value
 
     return parse
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
-    return value
 
 
 def _seconds_or_zero(text: str) -> float:
@@ -85,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N",
                         help="finished Responses API responses kept in memory for GET and "
                              "previous_response_id; the oldest is evicted (0: none; default: 1000)")
-    parser.add_argument("--responses-store-ttl", type=_positive_seconds, default=3600.0,
+    parser.add_argument("--responses-store-ttl", type=positive_seconds, default=3600.0,
                         metavar="SECONDS",
                         help="how long a stored Responses API response is kept (default: 3600)")
     parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=10.0,
