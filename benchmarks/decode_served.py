@@ -7,8 +7,8 @@ For each ``--env`` setting (``NAME=VALUE``, repeatable; each one is a server
 of its own; none: the defaults), a server starts on a free port, serves one
 warm-up answer, then ``--rounds`` streamed answers to "Write three sentences
 about Paris." (greedy, ``--max-tokens`` 128, ``ignore_eos`` so every answer
-is equally long).  Decode tok/s is (tokens - 1) / (last token - first
-token); TTFT is the first token's wait.  The settings alternate round by
+is equally long).  Decode tok/s is (the usage's completion tokens - 1) /
+(last text - first text); TTFT is the first text's wait.  The settings alternate round by
 round (A B, B A, ...), so machine noise hits them alike; the table shows
 each one's median and range.
 """
@@ -60,14 +60,20 @@ def one_answer(url: str, max_tokens: int) -> tuple[float, float]:
     start = time.perf_counter()
     stamps = []
     stream = client.completions.create(model="m", prompt=QUESTION, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    tokens = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
     client.close()
-    if len(stamps) < 2:
+    if len(stamps) < 2 or tokens < 2:
         raise SystemExit("the answer had fewer than two tokens")
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0] - start
+    # every token after the first, over the time from the first text to the last
+    # (a token whose text is held back, or has none, still counts: usage says how many)
+    return (tokens - 1) / (stamps[-1] - stamps[0]), stamps[0] - start
 
 
 def main() -> None:
