@@ -50,6 +50,18 @@ class TopLogprob:
     bytes: tuple[int, ...] | None
 
 
+MIN_LOGPROB = -9999.0
+"""The lowest log-probability any wire API writes (strict JSON has no ``-inf``)."""
+
+
+def clamp_logprob(value: float) -> float:
+    """``value`` as every wire API writes it: within ``[MIN_LOGPROB, 0.0]``
+    (``-inf`` and NaN become ``MIN_LOGPROB``)."""
+    if value >= MIN_LOGPROB:  # False for NaN too
+        return value if value <= 0.0 else 0.0
+    return MIN_LOGPROB
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """OpenAI ``logprobs.content[]`` entry for one sampled token."""

@@ -33,13 +33,13 @@ from .events import (
     TokenLogprob,
     ToolCallDelta,
     Usage,
+    clamp_logprob,
 )
 
 __all__ = ["DONE", "SSEEncoder", "dumps", "escape_json_string", "frame"]
 
 DONE = b"data: [DONE]\n\n"
 _ERRORS = "afm.json_surrogates"
-MIN_LOGPROB = -9999.0
 
 
 def _escape_surrogates(exc: UnicodeError) -> tuple[str, int]:
@@ -68,21 +68,15 @@ def frame(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-def _logprob(value: float) -> float:
-    if value >= MIN_LOGPROB:  # False for NaN too
-        return value if value <= 0.0 else 0.0
-    return MIN_LOGPROB
-
-
 def _token_logprob(entry: TokenLogprob) -> dict[str, Any]:
     return {
         "token": entry.token,
-        "logprob": _logprob(entry.logprob),
+        "logprob": clamp_logprob(entry.logprob),
         "bytes": list(entry.bytes) if entry.bytes is not None else None,
         "top_logprobs": [
             {
                 "token": top.token,
-                "logprob": _logprob(top.logprob),
+                "logprob": clamp_logprob(top.logprob),
                 "bytes": list(top.bytes) if top.bytes is not None else None,
             }
             for top in entry.top_logprobs

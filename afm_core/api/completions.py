@@ -60,6 +60,7 @@ from .._stream.events import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    clamp_logprob,
 )
 from .._stream.request import MAX_N, CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
@@ -78,7 +79,6 @@ __all__ = [
 
 MAX_CHOICES = 1024
 """Choices (prompts times ``n``) one body may ask for; a server may allow fewer."""
-MIN_LOGPROB = -9999.0
 OBJECT = "text_completion"
 
 
@@ -163,12 +163,6 @@ class ScoredPrompt(Protocol):
     def top_logprobs(self) -> Sequence[Sequence[TopLogprob]]: ...
 
 
-def _clamp(value: float) -> float:
-    if value >= MIN_LOGPROB:  # False for NaN too
-        return value if value <= 0.0 else 0.0
-    return MIN_LOGPROB
-
-
 class _Choice:
     __slots__ = ("echoed", "failed", "finish", "index", "offset", "usage")
 
@@ -243,8 +237,8 @@ class CompletionWriter:
         tokens, values, tops, offsets = [], [], [], []
         for e in entries:
             tokens.append(e.token)
-            values.append(_clamp(e.logprob))
-            tops.append({t.token: _clamp(t.logprob) for t in e.top_logprobs})
+            values.append(clamp_logprob(e.logprob))
+            tops.append({t.token: clamp_logprob(t.logprob) for t in e.top_logprobs})
             offsets.append(state.offset)
             state.offset += len(e.token)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -266,8 +260,8 @@ class CompletionWriter:
                 offsets: list[int] = []
                 for token, lp, top in zip(scored.tokens, scored.logprobs, scored.top_logprobs,
                                           strict=True):
-                    values.append(None if lp is None else _clamp(lp))
-                    tops.append(None if lp is None else {t.token: _clamp(t.logprob) for t in top})
+                    values.append(None if lp is None else clamp_logprob(lp))
+                    tops.append(None if lp is None else {t.token: clamp_logprob(t.logprob) for t in top})
                     offsets.append(state.offset)
                     state.offset += len(token)
                 logprobs = {"tokens": list(scored.tokens), "token_logprobs": values,

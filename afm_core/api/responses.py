@@ -111,6 +111,7 @@ from .._stream.events import (
     TokenLogprob,
     ToolCallDelta,
     Usage,
+    clamp_logprob,
 )
 from .._stream.sse import dumps
 from .responses_request import ResponsesCall, new_id, parse, to_messages
@@ -125,25 +126,18 @@ __all__ = [
     "to_messages",
 ]
 
-MIN_LOGPROB = -9999.0
 
 
 # -- events ------------------------------------------------------------------------
-
-
-def _clamp(value: float) -> float:
-    if value >= MIN_LOGPROB:  # False for NaN too
-        return value if value <= 0.0 else 0.0
-    return MIN_LOGPROB
 
 
 def _logprob(entry: TokenLogprob) -> dict[str, Any]:
     return {
         "token": entry.token,
         "bytes": list(entry.bytes) if entry.bytes is not None else [],
-        "logprob": _clamp(entry.logprob),
+        "logprob": clamp_logprob(entry.logprob),
         "top_logprobs": [{"token": t.token, "bytes": list(t.bytes) if t.bytes is not None else [],
-                          "logprob": _clamp(t.logprob)} for t in entry.top_logprobs],
+                          "logprob": clamp_logprob(t.logprob)} for t in entry.top_logprobs],
     }
 
 
