@@ -6,6 +6,8 @@ A route opens ``engine.stream(...)`` inside an :class:`AsyncExitStack` from
 even if the response body never runs (:func:`close_when_done`).  A body
 generator closes it itself, shielded, with :func:`aclose_shielded`, which
 leaves the engine stream: an unfinished request is dropped at the next step.
+A request with several choices (chat's and completions' ``n``, a list of
+prompts) opens them with :func:`open_choices`: one stream each, in one group.
 
 While a streaming request waits (queued behind a full batch, or in a long
 prefill) its body reads the engine stream with :func:`keepalive_batches` (or
@@ -20,19 +22,19 @@ ends without waiting).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, final
 
 import trio
 
-from afm_core import ChatStream
+from afm_core import ChatRequest, ChatStream, CompletionRequest
 
 from ._asgi import close_when_done
 from ._state import AppState
 
 __all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded",
-           "held_stack", "keepalive_batches", "next_batches"]
+           "held_stack", "keepalive_batches", "next_batches", "open_choices"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -69,6 +71,28 @@ async def aclose_shielded(stack: AsyncExitStack) -> None:
     """Close ``stack`` even inside a cancelled scope (a disconnected client)."""
     with trio.CancelScope(shield=True):
         await stack.aclose()
+
+
+async def open_choices(state: AppState, requests: Iterable[ChatRequest | CompletionRequest],
+                       request_id: str, *, profile: str | None = None,
+                       progress: bool = False) -> tuple[AsyncExitStack, list[ChatStream]]:
+    """One engine stream per choice, in a :func:`held_stack`: choice 0 under the
+    client's ``request_id`` (with the ``profile`` and ``progress`` asked for),
+    choice ``i`` as ``<id>/<i>`` in its group, so cancelling the id ends them
+    all.  If one cannot open, those already open are left and the error raised."""
+    stack = held_stack(state, request_id)
+    streams: list[ChatStream] = []
+    try:
+        for i, req in enumerate(requests):
+            first = i == 0
+            opened = state.engine.stream(req, request_id=request_id if first else f"{request_id}/{i}",
+                                         group=None if first else request_id,
+                                         profile=profile if first else None, progress=progress and first)
+            streams.append(await stack.enter_async_context(opened))
+    except BaseException:
+        await aclose_shielded(stack)
+        raise
+    return stack, streams
 
 
 async def next_batches(streams: Sequence[ChatStream], live: Collection[int],

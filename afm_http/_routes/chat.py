@@ -61,8 +61,8 @@ from .._streaming import (
     Batch,
     Keepalive,
     aclose_shielded,
-    held_stack,
     next_batches,
+    open_choices,
 )
 
 __all__ = ["register"]
@@ -90,18 +90,7 @@ async def chat_completions() -> Response:
     if chat.n > room:
         raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
     rid = request_id()
-    stack = held_stack(state, rid)
-    streams: list[ChatStream] = []
-    try:
-        for i, one in enumerate(chat.per_choice()):
-            # choice 0 carries the client's id (and the profile); the others cancel with it
-            opened = engine.stream(one, request_id=rid if i == 0 else f"{rid}/{i}",
-                                   group=None if i == 0 else rid, profile=profile if i == 0 else None,
-                                   progress=progress and i == 0)
-            streams.append(await stack.enter_async_context(opened))
-    except BaseException:
-        await aclose_shielded(stack)
-        raise
+    stack, streams = await open_choices(state, chat.per_choice(), rid, profile=profile, progress=progress)
     downgraded = any(s.grammar_downgraded for s in streams)
     headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
     if not chat.stream:

@@ -47,8 +47,8 @@ from .._streaming import (
     Batch,
     Keepalive,
     aclose_shielded,
-    held_stack,
     next_batches,
+    open_choices,
 )
 
 __all__ = ["register"]
@@ -70,14 +70,8 @@ async def text_completions() -> Response:
                            param="prompt")
     progress = call.stream and progress_requested(call.include_progress)
     rid = request_id()
-    stack = held_stack(state, rid)
-    streams: list[ChatStream] = []
+    stack, streams = await open_choices(state, call.requests, rid, progress=progress)
     try:
-        for i, req in enumerate(call.requests):
-            # choice 0 carries the client's id; the others cancel with it
-            opened = engine.stream(req, request_id=rid if i == 0 else f"{rid}/{i}",
-                                   group=None if i == 0 else rid, progress=progress and i == 0)
-            streams.append(await stack.enter_async_context(opened))
         echo = await _echo_texts(engine, call) if call.echo else ()
     except BaseException:
         await aclose_shielded(stack)
