@@ -398,12 +398,16 @@ class Worker:
             if scores is None and self.caching:
                 self._count_lookup(job, "memory")
             self._insert(job, rest, cache, scores)
-        except Exception as exc:  # fail this request only
-            log.exception("admitting request failed")
-            self.by_key.pop(job.key, None)
-            outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
+        except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
+            self._not_started(job, exc, outputs)
             return
         self._inserted(job, key)
+
+    def _not_started(self, job: Job, exc: Exception, outputs: Outputs) -> None:
+        """``job`` could not be admitted: it ends with an error; the others go on."""
+        log.exception("admitting request failed")
+        self.by_key.pop(job.key, None)
+        outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
 
     def _fetch_memory(self, prompt: list[int]) -> tuple[list[Any] | None, list[int]]:
         """The memory tier's cache for ``prompt`` (a copy) and the tokens it leaves to compute."""
@@ -499,10 +503,8 @@ class Worker:
             job.cached_tokens = len(prompt) - len(rest)
             self._count_lookup(job, tier)
             self._insert(job, rest, cache, None)
-        except Exception as exc:  # fail this request only
-            log.exception("admitting request failed")
-            self.by_key.pop(job.key, None)
-            outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
+        except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
+            self._not_started(job, exc, outputs)
             return
         self._inserted(job, _share_key(job))
 
@@ -563,10 +565,8 @@ class Worker:
                 job.cached_tokens = len(job.prompt) - 1
                 try:
                     self._insert(job, job.prompt[-1:], cache, None)
-                except Exception as exc:  # fail this request only
-                    log.exception("admitting request failed")
-                    self.by_key.pop(job.key, None)
-                    outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
+                except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
+                    self._not_started(job, exc, outputs)
                     continue
                 self.stats.shared_prefills += 1
                 self._inserted(job, _share_key(job))
