@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -713,29 +713,20 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         w = self._worker
-        ws = w.stats if w is not None else None
-        running = ws.running if ws else 0
+        ws = w.stats if w is not None else WorkerStats()  # not started: every counter 0
         return EngineStatistics(
-            running=running,
-            waiting=max(len(self._inflight) - running, 0),
+            **{name: getattr(ws, name) for name in _WORKER_COUNTERS},
+            waiting=max(len(self._inflight) - ws.running, 0),
             requests_total=self._requests_total,
             requests_active=len(self._inflight),
-            prompt_tokens=ws.prompt_tokens if ws else 0,
-            cached_tokens=ws.cached_tokens if ws else 0,
-            generation_tokens=ws.generation_tokens if ws else 0,
-            prefix_cache_hits=ws.prefix_cache_hits if ws else 0,
-            prefix_cache_lookups=ws.prefix_cache_lookups if ws else 0,
-            prefix_cache_bytes=ws.prefix_cache_bytes if ws else 0,
-            steps=ws.steps if ws else 0,
             ttft_seconds_sum=self._ttft_sum,
             ttft_count=self._ttft_count,
-            finished=dict(ws.finished) if ws else {},
+            finished=dict(ws.finished),
             blas=w.blas if w is not None else "",
-            shared_prefills=ws.shared_prefills if ws else 0,
             embedding_requests=self._embedding_requests,
             embedding_tokens=self._embedding_tokens,
             embeddings_active=self._embedding_calls,
-            **_tier_statistics(ws),
+            prefix_cache_memory_misses=ws.prefix_cache_lookups - ws.prefix_cache_memory_hits,
         )
 
     # -- internals -------------------------------------------------------------
@@ -799,15 +790,10 @@ class Engine:
         )
 
 
-def _tier_statistics(ws: WorkerStats | None) -> dict[str, int]:
-    """The per-tier prefix-cache fields of :class:`EngineStatistics` from the worker's counters."""
-    if ws is None:
-        return {}
-    names = ("disk_hits", "disk_misses", "disk_bytes", "disk_entries", "disk_writes", "disk_written_bytes",
-             "disk_read_bytes", "disk_evictions", "disk_corrupt", "disk_dropped_writes", "memory_hits")
-    fields = {f"prefix_cache_{n}": getattr(ws, f"prefix_cache_{n}") for n in names}
-    fields["prefix_cache_memory_misses"] = ws.prefix_cache_lookups - ws.prefix_cache_memory_hits
-    return fields
+_WORKER_COUNTERS = tuple(
+    f.name for f in fields(EngineStatistics)
+    if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
+"""The statistics the generation thread counts (``WorkerStats``), copied by name."""
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:
