@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_model", "median_seconds", "paired_rates"]
+__all__ = ["load_model", "median_seconds", "model_path", "paired_rates"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -29,6 +29,20 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def model_path(spec: str, work: Path) -> Path:
+    """A ``--model`` choice as a directory: ``random`` (a fresh random tiny
+    test model under ``work``), ``default`` (afm's default model) or a path."""
+    if spec == "random":
+        from afm_core.testing import make_random_model
+
+        return make_random_model(work / "random")
+    if spec == "default":
+        from afm_core import resolve_model
+
+        return Path(resolve_model(None))
+    return Path(spec)
 
 
 def load_model(path: Path | None) -> tuple[Any, Any, Path]:

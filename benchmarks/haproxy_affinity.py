@@ -36,22 +36,13 @@ import time
 
 import httpx
 import trio
+from _common import model_path
 
 from afm_core.bench._workload import make_prompt
-from afm_core.testing import make_random_model
 from tests.deploy.cluster import Cluster, haproxy_binary
 
 COUNTERS = ("afm_prefix_cache_hits_total", "afm_prefix_cache_lookups_total",
             "afm_cached_prompt_tokens_total", "afm_prompt_tokens_total")
-
-
-def model_path(spec: str, work: Path) -> Path:
-    if spec == "random":
-        return make_random_model(work / "random")
-    if spec == "default":
-        from afm_core import resolve_model
-        return Path(resolve_model(None))
-    return Path(spec)
 
 
 def counters(cluster: Cluster) -> dict[str, float]:

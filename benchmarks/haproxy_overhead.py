@@ -32,21 +32,12 @@ import os
 import statistics
 
 import trio
+from _common import model_path
 
 from afm_core.bench._loadgen import Target, run_closed
 from afm_core.bench._results import RunResult
 from afm_core.bench._workload import make_workload
-from afm_core.testing import make_random_model
 from tests.deploy.cluster import Cluster, haproxy_binary
-
-
-def model_path(spec: str, work: Path) -> Path:
-    if spec == "random":
-        return make_random_model(work / "random")
-    if spec == "default":
-        from afm_core import resolve_model
-        return Path(resolve_model(None))
-    return Path(spec)
 
 
 def cpu_seconds(pid: int) -> float:
