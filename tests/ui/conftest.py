@@ -1,6 +1,6 @@
 """A headless Chromium driven by selenium, for the chat page's tests.
 
-Debian's ``chromium`` and ``chromium-driver`` (``.ci/deps-browser.sh``
+Debian's ``chromium`` and ``chromium-driver`` (``.ci/deps.sh``
 installs them as root) and ``selenium`` (the ``test`` extra); a test that
 asks for ``browser`` is skipped, saying what is missing, where they are not.
 The driver is given explicitly, so selenium never tries to download one.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-HOW = "apt-get install chromium chromium-driver, or run .ci/deps-browser.sh as root"
+HOW = "apt-get install chromium chromium-driver, or run .ci/deps.sh as root"
 
 
 def _found() -> tuple[str | None, str | None]:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Debian packages the real-component tests drive, installed when missing and we
+# run as root: haproxy (2.6+) for the replica tests (tests/deploy), chromium and
+# chromium-driver for the chat page's browser tests (tests/ui; selenium comes
+# from the `test` extra).  It never fails CI: without them those tests skip,
+# saying what is missing.
+set -u
+missing=()
+command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+if [ ${#missing[@]} -eq 0 ]; then
+    exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "deps: ${missing[*]} missing, and no root apt-get to install them:" \
+         "the tests that need them will skip" >&2
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+if timeout 900 apt-get update -qq >/dev/null \
+        && timeout 900 apt-get install -y -qq "${missing[@]}" >/dev/null; then
+    echo "deps: installed ${missing[*]}" >&2
+else
+    echo "deps: apt-get could not install ${missing[*]}: the tests that need them will skip" >&2
+fi
+exit 0
