@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.process import LoggedProcess
 
 RANK = Path(__file__).with_name("_rank.py")
 BACKEND_ERRORS = ("Couldn't bind", "You need to provide", "no distributed back-end")
@@ -71,45 +69,11 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-class Rank:
-    """One rank's process; stderr lines collected by a thread."""
+class Rank(LoggedProcess):
+    """One rank's process (``_rank.py``); stderr lines collected by a thread."""
 
     def __init__(self, argv: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, str(RANK), *argv], env=env,
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put("")
-
-    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str] | None:
-        """The first new line matching ``pattern``; None when the process ended first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            self.seen.append(line)
-            if not line:
-                return None
-            if m := re.search(pattern, line):
-                return m
-
-    def log(self) -> str:
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                return "".join(self.seen)
-            self.seen.append(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, str(RANK), *argv], env)
 
 
 class Group:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import queue
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -19,6 +16,7 @@ import trio
 from afm_core import open_engine
 from afm_core._cli import build_parser
 from afm_http import ServerConfig, serve_engine
+from tests.process import LoggedProcess
 
 CHAT = "/v1/chat/completions"
 LONG = {"messages": [{"role": "user", "content": "word " * 4000}], "stream": True}
@@ -40,31 +38,17 @@ def test_cli_defaults_are_safe() -> None:
         build_parser("serve").parse_args(["serve", "--port", "70000"])
 
 
-class _Server:
+class _Server(LoggedProcess):
     """``afm serve`` in a subprocess; stderr lines collected by a thread."""
 
     def __init__(self, *argv: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "afm_core._cli", "serve", "--quiet", *argv],
-            stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put("")
+        super().__init__([sys.executable, "-m", "afm_core._cli", "serve", "--quiet", *argv])
 
     def wait_for(self, pattern: str, timeout: float = 120) -> re.Match[str]:
-        while True:
-            line = self.lines.get(timeout=timeout)
-            self.seen.append(line)
-            if not line:
-                raise AssertionError("server exited:\n" + "".join(self.seen))
-            if m := re.search(pattern, line):
-                return m
+        m = super().wait_for(pattern, timeout)
+        if m is None:
+            raise AssertionError("server exited:\n" + self.log())
+        return m
 
 
 def test_afm_serve_process_sigterm_ends_open_stream_cleanly(echo_model_dir: Path) -> None:
