@@ -4,7 +4,8 @@ status counts behind ``/metrics``, and the error envelope for every failure
 raised before a response began: OpenAI's, or Anthropic's on its Messages
 paths (``_errors.api_for_path``).  There the key may also come as
 ``x-api-key`` (what Anthropic's SDKs send), responses carry ``request-id``
-too, and CORS allows Anthropic's request headers.
+too, and CORS allows Anthropic's request headers.  While the server drains,
+new generation requests are refused with 503 (``_refuse_while_draining``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from afm_core import AFMError
 
 from ._asgi import AFMQuart
+from ._drain import GENERATION_PATHS, RETRY_AFTER_SECONDS
 from ._errors import api_for_path, error_response, from_exception, from_http_exception
 from ._ids import ID_RULE, client_request_id
 from ._request import body_was_read, request_id_or_none, sent_a_body, set_request_id
@@ -36,9 +38,24 @@ ANTHROPIC_CORS_EXPOSE_HEADERS = CORS_EXPOSE_HEADERS + ", Request-Id"
 def install(app: AFMQuart) -> None:
     """Register the request hooks and error handlers on ``app``."""
     app.before_request(_prepare)
+    app.before_request(_refuse_while_draining)  # after the id and key checks
     app.after_request(_finish)
     app.errorhandler(AFMError)(_afm_error)
     app.errorhandler(Exception)(_bug)
+
+
+async def _refuse_while_draining() -> Response | None:
+    """While draining (:mod:`._drain`), a new generation request gets 503 (its
+    API's envelope) and ``Retry-After``; everything else goes on (cancel above all)."""
+    state = current_state()
+    if not state.draining.active or request.method != "POST" or request.path not in GENERATION_PATHS:
+        return None
+    what = "shutting down" if state.draining.shutting_down else "draining (out of rotation)"
+    return error_response(503, f"this server is {what} and takes no new requests: retry "
+                               "(through the load balancer, another replica answers)",
+                          type="server_error", code="draining",
+                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                          api=api_for_path(request.path))
 
 
 def _authorized(header: str | None, api_key: str) -> bool:

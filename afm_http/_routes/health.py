@@ -10,9 +10,8 @@ and time left) while the replica drains.  ``GET /metrics`` is Prometheus text.
 ``--drain-timeout``) begins a drain (:mod:`afm_http._drain`) and answers with
 its status; ``DELETE /admin/drain`` ends one begun that way (a shutdown's
 drain cannot be ended: 409).  Both need the API key when one is set.  The
-readiness gate registered here (:func:`refuse_while_draining`, run after
-the middleware's id and key checks) answers new generation requests 503
-while the replica drains.
+middleware (``afm_http._middleware``, after its id and key checks) answers
+new generation requests 503 while the replica drains.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from afm_core import RequestError, runtime_info
 
 from .. import _metrics
 from .._asgi import AFMQuart
-from .._drain import GENERATION_PATHS, RETRY_AFTER_SECONDS
-from .._errors import api_for_path, error_response
+from .._errors import error_response
 from .._json import json_response
 from .._request import read_json
 from .._state import AppState, current_state
@@ -39,7 +37,6 @@ def register(app: AFMQuart) -> None:
     app.get("/metrics")(metrics)
     app.post("/admin/drain")(drain_start)
     app.delete("/admin/drain")(drain_stop)
-    app.before_request(refuse_while_draining)
 
 
 async def health() -> Response:
@@ -98,17 +95,3 @@ async def drain_stop() -> Response:
                               code="shutting_down")
     state.draining.resume()
     return json_response(_drain_body(state))
-
-
-async def refuse_while_draining() -> Response | None:
-    """While draining, a new generation request gets 503 (its API's envelope) and
-    ``Retry-After``; everything else goes on (cancel above all)."""
-    state = current_state()
-    if not state.draining.active or request.method != "POST" or request.path not in GENERATION_PATHS:
-        return None
-    what = "shutting down" if state.draining.shutting_down else "draining (out of rotation)"
-    return error_response(503, f"this server is {what} and takes no new requests: retry "
-                               "(through the load balancer, another replica answers)",
-                          type="server_error", code="draining",
-                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-                          api=api_for_path(request.path))
