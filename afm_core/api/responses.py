@@ -7,13 +7,13 @@ echoes.  :class:`ResponseWriter` turns the engine's events into the
 Responses streaming events and the final Response object::
 
     call = responses.parse(body, previous=store.get)     # raises RequestError
-    async with engine.stream(call.chat) as stream:
-        writer = responses.ResponseWriter(call, id=responses.new_id("resp"),
-                                          created_at=stream.created, model=stream.model)
-        sse = responses.encode(writer.start())
-        async for batch in stream.batches():
-            sse = responses.encode(writer.feed(batch))
-        sse = responses.encode(writer.end())
+    # one engine stream per choice: call.chat.per_choice() (call.n of them)
+    writer = responses.ResponseWriter(call, id=responses.new_id("resp"),
+                                      created_at=stream.created, model=stream.model)
+    sse = responses.encode(writer.start())
+    for each engine step, for each choice i that had a batch:
+        sse = responses.encode(writer.feed(batch, i))    # writer.close(i) at its stream's end
+    sse = responses.encode(writer.end())
     store.put(writer.stored())                           # when call.store
     writer.response                                      # the Response object
 
@@ -44,11 +44,24 @@ is always the model's whole reasoning text.  ``include`` with
 the text.  ``truncation: "auto"`` is accepted but nothing is truncated (a
 prompt past the context is still a 400).  Hosted tools (``web_search``,
 ``file_search``, ...), ``background: true``, ``conversation``, ``prompt``
-templates, ``context_management``, ``item_reference`` items, non-text
-content (images, files, audio) and ``n`` other than 1 (not a Responses
-field: a response is one assistant turn, with one status and one usage, that
-``previous_response_id`` continues) are a 400 :class:`UnsupportedError`;
-unknown fields are ignored.
+templates, ``context_management``, ``item_reference`` items and non-text
+content (images, files, audio) are a 400 :class:`UnsupportedError`; unknown
+fields are ignored.
+
+``n`` (afm's extension, not an OpenAI Responses field: the ``openai`` SDK
+sends it with ``extra_body={"n": 3}``) asks for 1 to ``MAX_N`` (16) choices,
+validated as chat's ``n`` is.  The engine runs one stream per choice
+(``call.chat.per_choice()``: they share the prompt's prefill); each choice
+has its own output items, each tagged ``"choice_index": i`` (only when
+``n`` > 1; the SDK's models keep the extra field).  ``output_index`` counts
+the items of every choice in the order they are added, so a stream's items
+interleave across choices; the Response object's ``output`` is in that
+order when streamed (``output[e.output_index]`` is the event's item) and
+grouped by choice (choice 0's items, then choice 1's ...) when not.  The
+Response echoes ``"n"`` when it is above 1.  A stored response with
+several choices cannot be continued: a ``previous_response_id`` naming one
+is a 400 (``previous_response_has_choices``); send the chosen choice's items
+as input instead.
 
 The events, each with ``type`` and a ``sequence_number`` counting from 0:
 ``response.created`` and ``response.in_progress`` (status ``in_progress``);
@@ -64,27 +77,30 @@ per output item ``response.output_item.added``, its content events, then
   tracker): ``response.function_call_arguments.delta`` as each fragment
   arrives, then ``.done``.
 
-Reasoning and message items close when the next item of another kind begins;
-function calls (whose fragments may interleave) close at the end, in output
-order.  The stream ends with one of ``response.completed`` (finish ``stop`` or
-``tool_calls``), ``response.incomplete`` (finish ``length``:
+Reasoning and message items close when the next item of the same choice of
+another kind begins; function calls (whose fragments may interleave) close at
+their choice's finish, in output order.  Once every choice finished, the
+stream ends with one of ``response.completed`` (every finish ``stop`` or
+``tool_calls``), ``response.incomplete`` (a finish ``length``:
 ``incomplete_details.reason = "max_output_tokens"``; or cancelled: status
 ``cancelled``, ``incomplete_details`` null, since the SDK has no cancelled
-event) or ``response.failed`` (a mid-stream failure: ``error.code
-"server_error"``).  Open items are closed first, ``incomplete`` unless the
-response completed.  A response that completes without any output item gets
-an empty message, so ``output_text`` is ``""``.
+event) or ``response.failed`` (a mid-stream failure of any choice: ``error.code
+"server_error"``).  A choice's items close at its finish, ``incomplete``
+unless it completed (the open items of every choice at a failure).  A choice
+that completes without any output item gets an empty message, so
+``output_text`` is ``""``.
 
 A stream opened with ``progress=True`` (the ``X-AFM-Progress: true`` header)
 also carries ``response.prompt_progress`` events (``prompt_progress``:
 ``total``, ``cache``, ``processed``, ``time_ms``) after ``response.in_progress``,
-while the prompt is prefilled.
+while the prompt is prefilled (with ``n`` > 1, the first choice's).
 
 Usage: ``input_tokens`` (``input_tokens_details.cached_tokens``: the prefix
-cache's), ``output_tokens``, ``total_tokens``; ``output_tokens_details.
-reasoning_tokens`` is whatever the caller sets in :attr:`ResponseWriter.
-reasoning_tokens` before the finish (afm's HTTP route re-tokenizes the
-reasoning text), else 0.
+cache's), counted once (the first choice's), ``output_tokens`` summed over the
+choices, ``total_tokens``; ``output_tokens_details.reasoning_tokens`` sums what
+the caller sets per choice with :meth:`ResponseWriter.set_reasoning_tokens`
+before the choice's finish (afm's HTTP route re-tokenizes the reasoning text,
+:meth:`ResponseWriter.reasoning_text`), else 0.
 
 The request half (:func:`parse`, :class:`ResponsesCall`, :func:`to_messages`)
 lives in :mod:`afm_core.api.responses_request`, the store in
@@ -144,12 +160,16 @@ def _logprob(entry: TokenLogprob) -> dict[str, Any]:
 class _Item:
     """One output item while it streams."""
 
-    __slots__ = ("call_id", "id", "index", "kind", "logprobs", "name", "parts", "status")
+    __slots__ = ("call_id", "choice", "id", "index", "kind", "logprobs", "name", "parts", "status",
+                 "tagged")
 
-    def __init__(self, kind: str, id: str, index: int, *, call_id: str = "", name: str = "") -> None:
+    def __init__(self, kind: str, id: str, index: int, choice: int, *, tagged: bool = False,
+                 call_id: str = "", name: str = "") -> None:
         self.kind = kind
         self.id = id
         self.index = index
+        self.choice = choice
+        self.tagged = tagged
         self.call_id = call_id
         self.name = name
         self.parts: list[str] = []
@@ -174,25 +194,52 @@ class _Item:
         status = self.status
         if self.kind == "reasoning":
             summary = [self.part()] if self.parts or self.done else []
-            return {"id": self.id, "type": "reasoning", "summary": summary, "status": status}
-        if self.kind == "message":
+            out: dict[str, Any] = {"id": self.id, "type": "reasoning", "summary": summary,
+                                   "status": status}
+        elif self.kind == "message":
             content = [self.part()] if self.parts or self.done else []
-            return {"id": self.id, "type": "message", "status": status, "role": "assistant",
-                    "content": content}
-        return {"id": self.id, "type": "function_call", "status": status, "arguments": self.text,
-                "call_id": self.call_id, "name": self.name}
+            out = {"id": self.id, "type": "message", "status": status, "role": "assistant",
+                   "content": content}
+        else:
+            out = {"id": self.id, "type": "function_call", "status": status,
+                   "arguments": self.text, "call_id": self.call_id, "name": self.name}
+        if self.tagged:  # n > 1: which choice the item belongs to (afm's extension)
+            out["choice_index"] = self.choice
+        return out
+
+
+class _Choice:
+    """One choice's state: its items (and which are open), its finish and usage."""
+
+    __slots__ = ("calls", "ended", "finish", "index", "items", "lp_pending", "message", "reasoning",
+                 "reasoning_tokens", "usage")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.items: list[_Item] = []
+        self.reasoning: _Item | None = None
+        self.message: _Item | None = None
+        self.calls: dict[int, _Item] = {}
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+        self.lp_pending: list[dict[str, Any]] = []
+        """Logprobs of tokens whose text is still held back (they join the next text delta)."""
+        self.reasoning_tokens: int | None = None
+        self.ended = False
 
 
 class ResponseWriter:
-    """Turn one engine stream's events into Responses events and the Response object.
+    """Turn the engine's events (one stream per choice) into Responses events and the Response object.
 
     :meth:`start` gives ``response.created`` and ``response.in_progress``;
-    :meth:`feed` the events for the engine's next events (one step or
-    several); the terminal event comes with the ``Usage`` after the
-    ``Finish``, or from :meth:`end` (the stream ended: a finish without usage
-    completes, no finish fails), :meth:`fail` (an error outside the stream)
-    or :meth:`abort` (the client left: status ``cancelled``, no event needed).
-    :attr:`response` is the Response object at any moment.
+    :meth:`feed` the events for a choice's next engine events (one step or
+    several).  A choice ends with the ``Usage`` after its ``Finish`` (or
+    :meth:`close`: its stream ended; a finish without usage ends it, no
+    finish fails the response); the terminal event comes once every choice
+    ended, or from :meth:`end` (every stream ended), :meth:`fail` (an error
+    outside the streams) or :meth:`abort` (the client left: status
+    ``cancelled``, no event needed).  :attr:`response` is the Response
+    object at any moment.
     """
 
     def __init__(self, call: ResponsesCall, *, id: str, created_at: float, model: str,
@@ -207,18 +254,11 @@ class ResponseWriter:
         self._seq = 0
         self._started = False
         self._items: list[_Item] = []
-        self._reasoning: _Item | None = None
-        self._message: _Item | None = None
-        self._calls: dict[int, _Item] = {}
-        self._finish: str | None = None
-        self._usage: Usage | None = None
-        self._lp_pending: list[dict[str, Any]] = []
+        self._choices = tuple(_Choice(i) for i in range(call.n))
         self.status = "in_progress"
         self.error: dict[str, Any] | None = None
         self.incomplete_details: dict[str, Any] | None = None
         self.completed_at: float | None = None
-        self.reasoning_tokens: int | None = None
-        """Set before the finish to report ``output_tokens_details.reasoning_tokens``."""
 
     # -- state ---------------------------------------------------------------------
 
@@ -227,19 +267,32 @@ class ResponseWriter:
         """The response reached a terminal status (nothing more will be emitted)."""
         return self.status != "in_progress"
 
-    @property
-    def reasoning_text(self) -> str:
-        """Every reasoning item's text so far."""
-        return "".join(i.text for i in self._items if i.kind == "reasoning")
+    def ended(self, choice: int = 0) -> bool:
+        """Choice ``choice`` ended (its items are closed), or the whole response did."""
+        return self.done or self._choices[choice].ended
+
+    def reasoning_text(self, choice: int = 0) -> str:
+        """Every reasoning item's text of choice ``choice`` so far."""
+        return "".join(i.text for i in self._choices[choice].items if i.kind == "reasoning")
+
+    def set_reasoning_tokens(self, tokens: int | None, choice: int = 0) -> None:
+        """Choice ``choice``'s reasoning token count (``output_tokens_details.
+        reasoning_tokens`` sums the choices'); set it before the choice's finish."""
+        self._choices[choice].reasoning_tokens = tokens
 
     @property
     def response(self) -> dict[str, Any]:
-        """The Response object now (``in_progress`` until the end)."""
+        """The Response object now (``in_progress`` until the end).  Its output is
+        in ``output_index`` order; with several choices, not streamed, grouped by
+        choice (choice 0's items, then choice 1's ...)."""
+        items = self._items
+        if len(self._choices) > 1 and not self.call.stream:
+            items = sorted(items, key=lambda item: item.choice)  # stable: each choice's in order
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": self.status, "background": False, "error": self.error,
             "incomplete_details": self.incomplete_details, "model": self.model,
-            "output": [item.to_dict() for item in self._items],
+            "output": [item.to_dict() for item in items],
         }
         out.update(self.call.settings)
         out["usage"] = self._usage_dict()
@@ -251,16 +304,19 @@ class ResponseWriter:
         return StoredResponse(response=self.response, input_items=self.call.conversation)
 
     def _usage_dict(self) -> dict[str, Any] | None:
-        u = self._usage
-        if u is None:
+        """The prompt counted once (the first choice's with a usage), the output of every choice."""
+        got = [(c.usage, c.reasoning_tokens) for c in self._choices if c.usage is not None]
+        if not got:
             return None
+        first = got[0][0]
+        output = sum(u.completion_tokens for u, _ in got)
         return {
-            "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens or 0,
-                                                              u.completion_tokens)},
-            "total_tokens": u.total_tokens,
+            "input_tokens": first.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": first.cached_tokens},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": sum(min(r or 0, u.completion_tokens)
+                                                              for u, r in got)},
+            "total_tokens": first.prompt_tokens + output,
         }
 
     def _event(self, out: list[dict[str, Any]], type: str, **fields: Any) -> dict[str, Any]:
@@ -280,10 +336,11 @@ class ResponseWriter:
             self._event(out, "response.in_progress", response=self.response)
         return out
 
-    def feed(self, events: Iterable[Event]) -> list[dict[str, Any]]:
-        """The Responses events for the engine's next events."""
+    def feed(self, events: Iterable[Event], choice: int = 0) -> list[dict[str, Any]]:
+        """The Responses events for choice ``choice``'s next engine events."""
         out = self.start()
-        if self.done:
+        ch = self._choices[choice]
+        if self.done or ch.ended:
             return out
         # a token's LogprobsDelta follows the events its text made: a text delta
         # (it joins it), reasoning or tool-call markup (dropped) or nothing yet
@@ -293,22 +350,22 @@ class ResponseWriter:
         for event in events:
             kind = type(event)
             if kind is ContentDelta:
-                last = self._content(event.text, out) or last  # type: ignore[union-attr]
+                last = self._content(ch, event.text, out) or last  # type: ignore[union-attr]
             elif kind is LogprobsDelta:
                 if prev in (ContentDelta, LogprobsDelta, None):
-                    self._logprobs(event, last if prev is ContentDelta else None)  # type: ignore[arg-type]
+                    self._logprobs(ch, event, last if prev is ContentDelta else None)  # type: ignore[arg-type]
             elif kind is ReasoningDelta:
-                self._lp_pending = []
-                self._reason(event.text, out)  # type: ignore[union-attr]
+                ch.lp_pending = []
+                self._reason(ch, event.text, out)  # type: ignore[union-attr]
             elif kind is ToolCallDelta:
-                self._lp_pending = []
-                self._tool(event, out)  # type: ignore[arg-type]
+                ch.lp_pending = []
+                self._tool(ch, event, out)  # type: ignore[arg-type]
             elif kind is Finish:
-                self._finish = event.reason  # type: ignore[union-attr]
+                ch.finish = event.reason  # type: ignore[union-attr]
             elif kind is Usage:
-                self._usage = event  # type: ignore[assignment]
-                if self._finish is not None:
-                    out += self._terminal(self._finish)
+                ch.usage = event  # type: ignore[assignment]
+                if ch.finish is not None:
+                    out += self._end_choice(ch)
                     break
             elif kind is StreamFailure:
                 out += self.fail(event.message, type=event.type)  # type: ignore[union-attr]
@@ -319,14 +376,23 @@ class ResponseWriter:
             prev = kind
         return out
 
-    def end(self) -> list[dict[str, Any]]:
-        """The stream has no more events: finish it if it is not done."""
+    def close(self, choice: int = 0) -> list[dict[str, Any]]:
+        """Choice ``choice``'s stream has no more events: end the choice (a
+        finish without usage) or, without a finish, fail the response."""
         out = self.start()
-        if self.done:
+        ch = self._choices[choice]
+        if self.done or ch.ended:
             return out
-        if self._finish is not None:
-            return out + self._terminal(self._finish)
+        if ch.finish is not None:
+            return out + self._end_choice(ch)
         return out + self.fail("the stream ended before it finished")
+
+    def end(self) -> list[dict[str, Any]]:
+        """No stream has more events: finish the response if it is not done."""
+        out = self.start()
+        for i in range(len(self._choices)):
+            out += self.close(i)
+        return out
 
     def fail(self, message: str, *, type: str = "server_error") -> list[dict[str, Any]]:
         """End the response ``failed`` with ``message`` (``response.failed``)."""
@@ -347,9 +413,12 @@ class ResponseWriter:
 
     # -- items ---------------------------------------------------------------------
 
-    def _open(self, kind: str, prefix: str, out: list[dict[str, Any]], **kw: str) -> _Item:
-        item = _Item(kind, self._ids(prefix), len(self._items), **kw)
+    def _open(self, ch: _Choice, kind: str, prefix: str, out: list[dict[str, Any]],
+              **kw: str) -> _Item:
+        item = _Item(kind, self._ids(prefix), len(self._items), ch.index,
+                     tagged=len(self._choices) > 1, **kw)
         self._items.append(item)
+        ch.items.append(item)
         self._event(out, "response.output_item.added", output_index=item.index,
                     item=item.to_dict())
         if kind == "reasoning":
@@ -361,95 +430,110 @@ class ResponseWriter:
         return item
 
     def _close(self, item: _Item, status: str, out: list[dict[str, Any]]) -> None:
+        ch = self._choices[item.choice]
         ids = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
             self._event(out, "response.reasoning_summary_text.done", **ids, summary_index=0,
                         text=item.text)
             self._event(out, "response.reasoning_summary_part.done", **ids, summary_index=0,
                         part=item.part())
-            self._reasoning = None
+            ch.reasoning = None
         elif item.kind == "message":
-            if self._lp_pending:
-                item.logprobs += self._lp_pending
-                self._lp_pending = []
+            if ch.lp_pending:
+                item.logprobs += ch.lp_pending
+                ch.lp_pending = []
             self._event(out, "response.output_text.done", **ids, content_index=0, text=item.text,
                         logprobs=list(item.logprobs))
             self._event(out, "response.content_part.done", **ids, content_index=0,
                         part=item.part())
-            self._message = None
+            ch.message = None
         else:
             self._event(out, "response.function_call_arguments.done", **ids, arguments=item.text)
         item.status = status
         self._event(out, "response.output_item.done", output_index=item.index,
                     item=item.to_dict())
 
-    def _close_all(self, status: str, out: list[dict[str, Any]]) -> None:
-        for item in self._items:
+    def _close_all(self, status: str, out: list[dict[str, Any]],
+                   items: Iterable[_Item] | None = None) -> None:
+        for item in self._items if items is None else items:
             if not item.done:
                 self._close(item, status, out)
 
-    def _content(self, text: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def _content(self, ch: _Choice, text: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not text:
             return None
-        item = self._message
+        item = ch.message
         if item is None:
-            if self._reasoning is not None:
-                self._close(self._reasoning, "completed", out)
-            item = self._message = self._open("message", "msg", out)
+            if ch.reasoning is not None:
+                self._close(ch.reasoning, "completed", out)
+            item = ch.message = self._open(ch, "message", "msg", out)
         item.parts.append(text)
-        logprobs, self._lp_pending = self._lp_pending, []
+        logprobs, ch.lp_pending = ch.lp_pending, []
         item.logprobs += logprobs
         return self._event(out, "response.output_text.delta", item_id=item.id,
                            output_index=item.index, content_index=0, delta=text, logprobs=logprobs)
 
-    def _logprobs(self, event: LogprobsDelta, last: dict[str, Any] | None) -> None:
+    def _logprobs(self, ch: _Choice, event: LogprobsDelta, last: dict[str, Any] | None) -> None:
         if not self.call.logprobs:
             return
         entries = [_logprob(e) for e in event.content]
-        if last is not None and self._message is not None:
+        if last is not None and ch.message is not None:
             last["logprobs"] = last["logprobs"] + entries
-            self._message.logprobs += entries
+            ch.message.logprobs += entries
         else:  # a token whose text is still held back: it joins the next text delta
-            self._lp_pending += entries
+            ch.lp_pending += entries
 
-    def _reason(self, text: str, out: list[dict[str, Any]]) -> None:
+    def _reason(self, ch: _Choice, text: str, out: list[dict[str, Any]]) -> None:
         if not text:
             return
-        item = self._reasoning
+        item = ch.reasoning
         if item is None:
-            if self._message is not None:
-                self._close(self._message, "completed", out)
-            item = self._reasoning = self._open("reasoning", "rs", out)
+            if ch.message is not None:
+                self._close(ch.message, "completed", out)
+            item = ch.reasoning = self._open(ch, "reasoning", "rs", out)
         item.parts.append(text)
         self._event(out, "response.reasoning_summary_text.delta", item_id=item.id,
                     output_index=item.index, summary_index=0, delta=text)
 
-    def _tool(self, event: ToolCallDelta, out: list[dict[str, Any]]) -> None:
-        item = self._calls.get(event.index)
+    def _tool(self, ch: _Choice, event: ToolCallDelta, out: list[dict[str, Any]]) -> None:
+        item = ch.calls.get(event.index)
         if item is None:
-            for other in (self._reasoning, self._message):
+            for other in (ch.reasoning, ch.message):
                 if other is not None:
                     self._close(other, "completed", out)
-            item = self._open("function_call", "fc", out, call_id=event.id or self._ids("call"),
+            item = self._open(ch, "function_call", "fc", out, call_id=event.id or self._ids("call"),
                               name=event.name or "")
-            self._calls[event.index] = item
+            ch.calls[event.index] = item
         if event.arguments:
             item.parts.append(event.arguments)
             self._event(out, "response.function_call_arguments.delta", item_id=item.id,
                         output_index=item.index, delta=event.arguments)
 
-    def _terminal(self, reason: str) -> list[dict[str, Any]]:
+    def _end_choice(self, ch: _Choice) -> list[dict[str, Any]]:
+        """Choice ``ch`` finished: its open items close; after the last choice, the terminal event."""
         out: list[dict[str, Any]] = []
-        if reason in ("stop", "tool_calls"):
-            if not self._items:  # an empty answer is an empty message, as output_text ""
-                self._open("message", "msg", out)
-            self._close_all("completed", out)
+        ch.ended = True
+        if ch.finish in ("stop", "tool_calls"):
+            if not ch.items:  # an empty answer is an empty message, as output_text ""
+                self._open(ch, "message", "msg", out)
+            self._close_all("completed", out, ch.items)
+        else:
+            self._close_all("incomplete", out, ch.items)
+        if all(c.ended for c in self._choices):
+            out += self._terminal()
+        return out
+
+    def _terminal(self) -> list[dict[str, Any]]:
+        """Every choice ended: ``completed`` if each completed, else ``incomplete``
+        (``cancelled`` if one was cancelled, else a ``max_output_tokens`` one)."""
+        out: list[dict[str, Any]] = []
+        reasons = {c.finish for c in self._choices}
+        if reasons <= {"stop", "tool_calls"}:
             self.status = "completed"
             self.completed_at = self._clock()
             self._event(out, "response.completed", response=self.response)
             return out
-        self._close_all("incomplete", out)
-        if reason == "cancelled":
+        if "cancelled" in reasons:
             self.status = "cancelled"
         else:  # "length": max_output_tokens (or the context) ran out
             self.status = "incomplete"

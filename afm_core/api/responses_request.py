@@ -68,6 +68,12 @@ class ResponsesCall:
     logprobs: bool = False
 
     @property
+    def n(self) -> int:
+        """The choices asked for (afm's ``n`` extension; the engine runs one
+        stream per :meth:`ChatRequest.per_choice` request)."""
+        return self.chat.n
+
+    @property
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """The items the response is generated from (what it stores as its input)."""
         return self.history + self.input_items
@@ -89,13 +95,6 @@ def _unsupported(body: dict[str, Any]) -> None:
     if body.get("context_management"):
         raise UnsupportedError("context management (compaction) is not supported",
                                param="context_management")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        # not OpenAI's field: a response is one assistant turn (one status, one usage, and the
-        # turn previous_response_id continues), so several answers do not fit in one
-        raise UnsupportedError("the Responses API has no 'n': a response is one answer. Send n "
-                               "requests (they share the prompt's prefill), or use "
-                               "/v1/chat/completions with 'n'", param="n")
 
 
 def _metadata(raw: Any) -> dict[str, str]:
@@ -502,6 +501,14 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
             raise RequestError(f"Previous response with id '{prev_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found",
                                status=404)
+        if found.choices > 1:
+            # each choice is its own assistant turn: which one the conversation went on with
+            # is the client's choice, not something to guess
+            raise RequestError(f"Previous response '{prev_id}' has {found.choices} choices (n = "
+                               f"{found.choices}), so which one to continue from cannot be "
+                               "inferred: send that choice's output items (their choice_index "
+                               "tells them apart) as input instead of previous_response_id.",
+                               param="previous_response_id", code="previous_response_has_choices")
         history = found.conversation
     items = _input_items(body.get("input"))
     tools_echo, chat_tools = _tools(body.get("tools"))
@@ -520,6 +527,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
                                               "service_tier")}
     messages = to_messages(history + items, instructions=instructions, first_new=len(history))
     chat_body: dict[str, Any] = {"messages": messages, "model": model, "stream": stream,
+                                 "n": body.get("n"),
                                  "parallel_tool_calls": parallel,
                                  "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                                  "max_tokens": max_output, "logprobs": logprobs,
@@ -534,7 +542,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
         chat = ChatRequest.from_openai(chat_body)
     except RequestError as exc:
         raise _renamed(exc) from None
-    settings = (
+    settings: tuple[tuple[str, Any], ...] = (
         ("instructions", instructions), ("max_output_tokens", max_output),
         ("max_tool_calls", max_tool_calls), ("parallel_tool_calls", parallel),
         ("previous_response_id", prev_id), ("reasoning", reasoning_echo),
@@ -545,5 +553,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
         ("safety_identifier", strings["safety_identifier"]),
         ("prompt_cache_key", strings["prompt_cache_key"]), ("metadata", metadata),
     )
+    if chat.n > 1:  # afm's extension, echoed only when used
+        settings += (("n", chat.n),)
     return ResponsesCall(chat=chat, input_items=items, history=history, settings=settings,
                          stream=stream, store=store, logprobs=logprobs)

@@ -12,7 +12,8 @@ from it.  afm keeps finished responses in memory, bounded two ways:
 Age counts from when the response was stored (when it finished), on the
 store's clock (``time.monotonic`` unless a test injects another).  A stored
 response holds its final Response object and the conversation items it was
-generated from, which is what a continuation replays::
+generated from, which is what a continuation replays (one with several choices,
+``n`` > 1, holds them all, and is not continued: see :attr:`StoredResponse.choices`)::
 
     store = ResponseStore(max_responses=1000, max_age=3600.0)
     store.put(StoredResponse(response=writer.response, input_items=call.conversation))
@@ -50,6 +51,12 @@ class StoredResponse:
     @property
     def id(self) -> str:
         return str(self.response["id"])
+
+    @property
+    def choices(self) -> int:
+        """How many choices it holds (the ``n`` its Response object echoes; 1 without)."""
+        n = self.response.get("n")
+        return n if isinstance(n, int) and n > 1 else 1
 
     @property
     def conversation(self) -> tuple[dict[str, Any], ...]:

@@ -10,9 +10,16 @@ translation's :class:`~afm_core.api.responses.ResponseWriter` turns the
 events into Responses events: one write per engine step (``event: TYPE`` /
 ``data: {...}`` frames, no ``[DONE]``; the SSE comment ``: keepalive`` while
 the engine is silent, ``ServerConfig.keepalive_seconds``), or, without ``stream``, the final
-Response object.  When the finish arrives, a response with reasoning has its
-reasoning text re-tokenized for ``usage.output_tokens_details.
-reasoning_tokens``.
+Response object.  When a choice's finish arrives, its reasoning text is
+re-tokenized for ``usage.output_tokens_details.reasoning_tokens``.
+
+``n`` > 1 (afm's extension) runs each choice as its own engine stream, opened
+as chat's are (:func:`~afm_http._streaming.open_choices`: choice 0 under the
+request id, choice ``i`` as ``<id>/<i>`` in its group, the prompt prefilled
+once), so every cancel below ends them all; the steps of every choice are
+read together and written once per engine step, the writer interleaving their
+items by ``output_index``.  At most ``max_batch + max_waiting`` choices (a
+400 beyond).  Prompt progress (``X-AFM-Progress``) is choice 0's.
 
 While it runs, a response is registered by its id (``resp_…``):
 ``POST /v1/responses/{id}/cancel`` cancels its engine request and answers
@@ -62,10 +69,11 @@ from .._state import AppState, LiveResponse, current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
     STREAM_HEADERS,
+    Batch,
     Keepalive,
     aclose_shielded,
-    held_stack,
-    keepalive_batches,
+    next_batches,
+    open_choices,
 )
 
 __all__ = ["register"]
@@ -89,23 +97,28 @@ def register(app: AFMQuart) -> None:
 
 async def responses_create() -> Response:
     state = current_state()
+    engine = state.engine
     call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
+    room = engine.config.max_batch + engine.config.max_waiting
+    if call.n > room:
+        raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
     rid = request_id()
-    stack = held_stack(state, rid)  # closed when the request ends, even if no body runs
     progress = call.stream and progress_requested()
-    stream = await stack.enter_async_context(state.engine.stream(call.chat, request_id=rid,
-                                                                 progress=progress))
-    writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=stream.created,
-                                model=stream.model)
+    # closed when the request ends, even if no body runs
+    stack, streams = await open_choices(state, call.chat.per_choice(), rid, progress=progress)
+    first = streams[0]
+    writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=first.created,
+                                model=first.model)
     live = LiveResponse(rid, writer)
     state.responses_live[writer.id] = live
-    stack.callback(_settle, state, live)  # runs before the engine stream is left
-    headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
+    stack.callback(_settle, state, live)  # runs before the engine streams are left
+    downgraded = any(s.grammar_downgraded for s in streams)
+    headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
     if not call.stream:
         async with stack:
             try:
-                async for batch in stream.batches():
-                    await _feed(state.engine, writer, batch)
+                async for _ in _steps(engine, streams, writer):
+                    pass
             except Exception as exc:
                 writer.fail(f"stream failed: {exc}")  # stored as failed, answered as a 500
                 raise
@@ -114,7 +127,7 @@ async def responses_create() -> Response:
             error = writer.error or {}
             raise GenerationError(str(error.get("message") or "generation failed"))
         return json_response(writer.response, headers=headers)
-    body = _sse_body(state.engine, stream, writer, stack, request_id=rid,
+    body = _sse_body(engine, streams, writer, stack, request_id=rid,
                      keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
@@ -149,17 +162,20 @@ def _settle(state: AppState, live: LiveResponse) -> None:
     live.done.set()
 
 
-async def _feed(engine: Engine, writer: api.ResponseWriter,
-                batch: Sequence[Any]) -> list[dict[str, Any]]:
-    """The writer's events for one batch; before the finish, the reasoning's token count."""
+async def _feed(engine: Engine, writer: api.ResponseWriter, choice: int,
+                batch: Batch) -> list[dict[str, Any]]:
+    """The writer's events for one batch of a choice's stream (None: its end);
+    before the choice's finish, its reasoning's token count."""
+    if batch is None:
+        return writer.close(choice)
     cut = next((i for i, e in enumerate(batch) if type(e) is Finish), None)
     if cut is None:
-        return writer.feed(batch)
-    out = writer.feed(batch[:cut])
-    text = writer.reasoning_text
+        return writer.feed(batch, choice)
+    out = writer.feed(batch[:cut], choice)
+    text = writer.reasoning_text(choice)
     if text:
-        writer.reasoning_tokens = await _count_tokens(engine, text)
-    return out + writer.feed(batch[cut:])
+        writer.set_reasoning_tokens(await _count_tokens(engine, text), choice)
+    return out + writer.feed(batch[cut:], choice)
 
 
 async def _count_tokens(engine: Engine, text: str) -> int | None:
@@ -169,26 +185,42 @@ async def _count_tokens(engine: Engine, text: str) -> int | None:
         return None
 
 
-async def _sse_body(engine: Engine, stream: ChatStream, writer: api.ResponseWriter,
+async def _steps(engine: Engine, streams: Sequence[ChatStream], writer: api.ResponseWriter,
+                 keepalive: float = 0) -> AsyncIterator[list[dict[str, Any]] | Keepalive]:
+    """The writer's events for each engine step, every choice's, until the
+    response is done or every stream ended, or KEEPALIVE after ``keepalive``
+    seconds (0: never) without a batch."""
+    live = set(range(len(streams)))
+    while live and not writer.done:
+        got = await next_batches(streams, live, keepalive)
+        if isinstance(got, Keepalive):
+            yield got
+            continue
+        out: list[dict[str, Any]] = []
+        for i, batch in sorted(got, key=lambda g: g[0]):
+            out += await _feed(engine, writer, i, batch)
+            if batch is None or writer.ended(i):
+                live.discard(i)
+        if out:
+            yield out
+
+
+async def _sse_body(engine: Engine, streams: Sequence[ChatStream], writer: api.ResponseWriter,
                     stack: AsyncExitStack, *, request_id: str,
                     keepalive: float) -> AsyncIterator[bytes]:
     """The SSE body: created/in_progress, one write per engine step (a keepalive
-    comment after ``keepalive`` silent seconds), the terminal event; leaves the stream (and settles the response) at the end."""
+    comment after ``keepalive`` silent seconds), the terminal event; leaves the
+    streams (and settles the response) at the end."""
     try:
         yield api.encode(writer.start())
         try:
-            async for batch in keepalive_batches(stream, keepalive):
-                if isinstance(batch, Keepalive):
-                    yield KEEPALIVE_FRAME
-                    continue
-                out = await _feed(engine, writer, batch)
-                if out:
-                    yield api.encode(out)
+            async for out in _steps(engine, streams, writer, keepalive):
+                yield KEEPALIVE_FRAME if isinstance(out, Keepalive) else api.encode(out)
         except Exception as exc:  # headers are sent: report in-band
             log.exception("response %s (request %s) failed", writer.id, request_id)
             yield api.encode(writer.fail(f"stream failed: {exc}"))
         if not writer.done:
-            # the engine closed the stream without a finish (shutdown): say so
+            # the engine closed the streams without a finish (shutdown): say so
             yield api.encode(writer.end())
     finally:
         await aclose_shielded(stack)

@@ -417,7 +417,7 @@ def _with_cache_writes(response: dict[str, Any]) -> dict[str, Any]:
 
 def test_reasoning_then_text() -> None:
     w = writer()
-    w.reasoning_tokens = 2
+    w.set_reasoning_tokens(2)
     out = run(w, [ReasoningDelta("let me "), ReasoningDelta("think")], [ContentDelta("Answer")],
               [Finish("stop"), Usage(4, 5)])
     assert types(out)[2:] == [
@@ -435,7 +435,7 @@ def test_reasoning_then_text() -> None:
     assert message["content"][0]["text"] == "Answer" and message["id"] == "msg_1"
     assert [e["output_index"] for e in out if e["type"] == "response.output_item.added"] == [0, 1]
     assert w.response["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
-    assert w.reasoning_text == "let me think"
+    assert w.reasoning_text() == "let me think" and w.reasoning_text(0) == "let me think"
 
 
 def test_function_call_arguments_stream_fragment_by_fragment() -> None:

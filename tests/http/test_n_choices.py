@@ -2,7 +2,7 @@
 127.0.0.1, the openai SDK and a strict SSE reader.  The choices run as n engine
 streams; their chunks interleave by ``index``; usage counts the prompt once;
 cancel ends every choice; a failing choice stops the others.  Also: ``n`` on
-completions has the same limit, and the Responses API refuses ``n``."""
+completions and the Responses API have the same limit."""
 
 from __future__ import annotations
 
@@ -238,9 +238,10 @@ async def test_n_limits_on_every_api(echo_model_dir: Path) -> None:
         assert len((await c.post(CHAT, json=body("four", n=4))).json()["choices"]) == 4
         # the legacy completions share the limit of 16 per prompt
         assert_envelope(await c.post("/v1/completions", json={"prompt": "x", "n": 17}), "n")
-        # the Responses API has no n: 1 is fine, anything else is refused with the reason
-        err = assert_envelope(await c.post("/v1/responses", json={"input": "x", "n": 2}), "n")
-        assert err["code"] == "unsupported" and "/v1/chat/completions" in err["message"]
+        # the Responses API's n extension: the same limits (tests/http/test_responses_n.py)
+        assert_envelope(await c.post("/v1/responses", json={"input": "x", "n": 17}), "n")
+        err = assert_envelope(await c.post("/v1/responses", json={"input": "x", "n": 5}), "n")
+        assert "at most 4" in err["message"]
         r = await c.post("/v1/responses", json={"input": "just one", "n": 1})
         assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "just one"
 
