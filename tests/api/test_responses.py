@@ -11,6 +11,9 @@ import typing
 from typing import Any
 
 import pytest
+from openai import omit
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from afm_core import (
@@ -590,6 +593,162 @@ def test_encode_frames_parse_back_to_the_events() -> None:
 def test_new_ids() -> None:
     a, b = api.new_id("resp"), api.new_id("resp")
     assert a != b and a.startswith("resp_") and len(a) == 5 + 48
+
+
+# -- n choices (afm's extension) -------------------------------------------------------
+
+
+def sdk_accumulate(events: list[dict[str, Any]]) -> Any:
+    """The SDK's own stream accumulator (what ``client.responses.stream`` runs) over
+    the events, each parsed as the SDK parses a stream's; the final Response."""
+    state: Any = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in events:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=copy.deepcopy(event)))
+    assert state._completed_response is not None
+    return state._completed_response
+
+
+def multi(body: dict[str, Any]) -> api.ResponseWriter:
+    return api.ResponseWriter(api.parse(body), id="resp_n", created_at=100, model="m",
+                              clock=lambda: 123.0, ids=ids())
+
+
+def run_choices(w: api.ResponseWriter, *steps: list[tuple[int, list[Any]]]) -> list[dict[str, Any]]:
+    """Feed each step's (choice, batch) pairs; check the events as :func:`run` does."""
+    out = w.start()
+    for step in steps:
+        for choice, batch in step:
+            out += w.feed(batch, choice)
+    out += w.end()
+    for e in out:
+        sdk_check(e)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 17, -1, "x", 1.5, True, [2], {"n": 2}])
+def test_bad_n_names_n(n: Any) -> None:
+    with pytest.raises(RequestError) as e:
+        api.parse({"input": "x", "n": n})
+    assert e.value.status == 400 and e.value.param == "n" and "'n'" in e.value.message
+
+
+def test_n_runs_one_request_per_choice_and_is_echoed_above_1() -> None:
+    call = api.parse({"input": "x", "n": 3})
+    assert call.n == 3 and len(call.chat.per_choice()) == 3
+    assert all(r.n == 1 and r.messages == call.chat.messages for r in call.chat.per_choice())
+    assert dict(call.settings)["n"] == 3
+    assert api.parse({"input": "x", "n": 2.0}).n == 2
+    for one in (api.parse({"input": "x"}), api.parse({"input": "x", "n": 1})):
+        assert one.n == 1 and "n" not in dict(one.settings)
+
+
+def test_choices_interleave_by_output_index_and_sum_usage() -> None:
+    w = multi({"input": "x", "n": 2, "stream": True})
+    w.set_reasoning_tokens(1, 0)
+    w.set_reasoning_tokens(3, 1)
+    out = run_choices(
+        w,
+        [(0, [ReasoningDelta("r0")]), (1, [ContentDelta("B")])],
+        [(1, [ContentDelta("b")]), (0, [ContentDelta("A")])],
+        [(0, [Finish("stop"), Usage(7, 4, 2)])],
+        [(1, [ReasoningDelta("r1"), Finish("stop"), Usage(7, 5, 0)])],
+    )
+    added = [e for e in out if e["type"] == "response.output_item.added"]
+    # dense, in the order the items were added, whichever choice they belong to
+    assert [(e["output_index"], e["item"]["type"], e["item"]["choice_index"]) for e in added] == [
+        (0, "reasoning", 0), (1, "message", 1), (2, "message", 0), (3, "reasoning", 1)]
+    deltas = [(e["output_index"], e["delta"]) for e in out if e["type"] == "response.output_text.delta"]
+    assert deltas == [(1, "B"), (1, "b"), (2, "A")]
+    # choice 0's items close at its finish, before choice 1's end; one terminal event at the end
+    kinds = types(out)
+    assert kinds.count("response.completed") == 1 and kinds[-1] == "response.completed"
+    done = [(e["output_index"], e["item"]["status"]) for e in out if e["type"] == "response.output_item.done"]
+    assert done == [(0, "completed"), (2, "completed"), (1, "completed"), (3, "completed")]
+    final = out[-1]["response"]
+    assert final == w.response and final["status"] == "completed" and final["n"] == 2
+    assert [(i["id"], i["choice_index"]) for i in final["output"]] == [  # streamed: output_index order
+        ("rs_1", 0), ("msg_1", 1), ("msg_2", 0), ("rs_2", 1)]
+    assert final["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 2},
+                              "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 4},
+                              "total_tokens": 16}
+    assert w.reasoning_text(0) == "r0" and w.reasoning_text(1) == "r1"
+    got = sdk_accumulate(out)
+    assert [(o.id, o.model_extra["choice_index"]) for o in got.output] == [
+        ("rs_1", 0), ("msg_1", 1), ("msg_2", 0), ("rs_2", 1)]
+    assert Response.model_validate(_with_cache_writes(final)).output[1].model_extra == {"choice_index": 1}
+
+
+def test_not_streamed_output_is_grouped_by_choice() -> None:
+    w = multi({"input": "x", "n": 3})
+    run_choices(w, [(2, [ContentDelta("c")]), (0, [ContentDelta("a")]), (1, [ContentDelta("b")])],
+                [(i, [Finish("stop"), Usage(3, 1)]) for i in (1, 0, 2)])
+    output = w.response["output"]
+    assert [(i["choice_index"], i["content"][0]["text"]) for i in output] == [(0, "a"), (1, "b"), (2, "c")]
+    assert w.response["usage"]["output_tokens"] == 3 and w.response["usage"]["input_tokens"] == 3
+
+
+def test_one_choice_at_max_output_tokens_makes_it_incomplete() -> None:
+    w = multi({"input": "x", "n": 2, "max_output_tokens": 2, "stream": True})
+    out = run_choices(w, [(0, [ContentDelta("ab"), Finish("length"), Usage(3, 2)])],
+                      [(1, [ContentDelta("c"), Finish("stop"), Usage(3, 1)])])
+    assert types(out).count("response.incomplete") == 1 and out[-1]["type"] == "response.incomplete"
+    final = out[-1]["response"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(i["choice_index"], i["status"]) for i in final["output"]] == [(0, "incomplete"), (1, "completed")]
+    assert final["usage"]["output_tokens"] == 3 and final["completed_at"] is None
+    # while the other choice runs, the response is not done
+    w = multi({"input": "x", "n": 2})
+    w.feed([Finish("stop"), Usage(1, 1)], 0)
+    assert w.ended(0) and not w.ended(1) and not w.done
+    assert [i["status"] for i in w.response["output"]] == ["completed"]  # choice 0's empty message
+
+
+def test_cancel_of_every_choice_and_a_failing_choice() -> None:
+    w = multi({"input": "x", "n": 2, "stream": True, "tools": [TOOL]})
+    out = run_choices(w, [(0, [ContentDelta("a")]), (1, [ToolCallDelta(0, '{"x', "call_b", "get_weather")])],
+                      [(0, [Finish("cancelled"), Usage(2, 1)]), (1, [Finish("cancelled"), Usage(2, 1)])])
+    final = out[-1]["response"]
+    assert out[-1]["type"] == "response.incomplete" and final["status"] == "cancelled"
+    assert final["incomplete_details"] is None
+    assert [i["status"] for i in final["output"]] == ["incomplete", "incomplete"]
+    # a failure in one choice fails the response; the other choice's open items close
+    w = multi({"input": "x", "n": 2, "stream": True})
+    out = run_choices(w, [(0, [ContentDelta("a")]), (1, [ContentDelta("b")])],
+                      [(1, [StreamFailure("boom", code="generation_failed")])],
+                      [(0, [ContentDelta("late")])])
+    assert types(out)[-1] == "response.failed" and w.status == "failed"
+    assert "late" not in json.dumps(out)
+    assert [i["status"] for i in w.response["output"]] == ["incomplete", "incomplete"]
+
+
+def test_a_choice_whose_stream_ends_early() -> None:
+    w = multi({"input": "x", "n": 2})
+    w.feed([ContentDelta("a"), Finish("stop")], 0)
+    assert w.close(0)[-1]["type"] == "response.output_item.done" and w.ended(0) and not w.done
+    out = w.close(1)  # no finish: the stream ended before it finished
+    assert out[-1]["type"] == "response.failed" and "ended before" in w.response["error"]["message"]
+    w = multi({"input": "x", "n": 2})
+    w.feed([ContentDelta("a")], 0)
+    w.abort()
+    assert w.status == "cancelled" and w.response["usage"] is None
+
+
+def test_a_stored_response_with_choices_is_not_continued() -> None:
+    w = multi({"input": "x", "n": 2})
+    run_choices(w, [(i, [ContentDelta("a"), Finish("stop"), Usage(3, 1)]) for i in (0, 1)])
+    store = ResponseStore()
+    store.put(w.stored())
+    assert store.get("resp_n") is not None and store.get("resp_n").choices == 2  # type: ignore[union-attr]
+    with pytest.raises(RequestError) as e:
+        api.parse({"input": "y", "previous_response_id": "resp_n"}, previous=store.get)
+    err = e.value
+    assert err.status == 400 and err.param == "previous_response_id"
+    assert err.code == "previous_response_has_choices" and "cannot be inferred" in err.message
+    assert "choice_index" in err.message
+    one = writer()
+    run(one, [ContentDelta("a"), Finish("stop"), Usage(3, 1)])
+    assert one.stored().choices == 1
 
 
 # -- the store ---------------------------------------------------------------------

@@ -81,17 +81,37 @@ def post_raw(client: httpx.Client, raw: bytes) -> httpx.Response:
     return post_bytes(client, RESPONSES, raw)
 
 
-def output_text(r: httpx.Response) -> str:
-    """The text of a 200: the Response object's, or a stream's deltas (which must end it)."""
+def choice_texts(r: httpx.Response) -> dict[int, str]:
+    """The text of each choice of a 200 (``choice_index``, 0 without): the Response
+    object's, or a stream's deltas (which must end it, with dense output indices)."""
+    texts: dict[int, str] = {0: ""}
     if r.headers["content-type"].startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: ")]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
-        return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        added = [e for e in events if e["type"] == "response.output_item.added"]
+        assert [e["output_index"] for e in added] == list(range(len(added)))
+        owner = {e["output_index"]: e["item"].get("choice_index", 0) for e in added}
+        for e in events:
+            if e["type"] == "response.output_text.delta":
+                i = owner[e["output_index"]]
+                texts[i] = texts.get(i, "") + e["delta"]
+        return texts
     body = r.json()
     assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
-    return "".join(part["text"] for item in body["output"] if item["type"] == "message"
-                   for part in item["content"])
+    for item in body["output"]:
+        if item["type"] == "message":
+            i = item.get("choice_index", 0)
+            texts[i] = texts.get(i, "") + "".join(part["text"] for part in item["content"])
+    return texts
+
+
+def output_text(r: httpx.Response) -> str:
+    """Choice 0's text of a 200; every other choice (``n``) echoes the same."""
+    texts = choice_texts(r)
+    assert sorted(texts) == list(range(len(texts))), texts
+    assert set(texts.values()) == {texts[0]}, texts
+    return texts[0]
 
 
 def assert_served(r: httpx.Response, text: str | None, *, prefix: bool = False) -> None:
@@ -238,7 +258,7 @@ FIELDS: dict[str, Any] = {
     "include": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "metadata": _metadata,
     "previous_response_id": lambda v: False,  # no response is stored under a fuzzed id: 404
-    "n": lambda v: not isinstance(v, bool) and v == 1,  # no n in Responses: only 1 is accepted
+    "n": int_in(1, 16),  # afm's extension: n choices, each its own items (choice_index)
 }
 SAMPLING = {"temperature", "top_p"}
 
@@ -301,6 +321,8 @@ def test_field_types_and_ranges(client: httpx.Client, key: str, data: st.DataObj
     assert_served(r, None if key in SAMPLING else "fuzzed field", prefix=key == "max_output_tokens")
     is_stream = value if key == "stream" else stream
     assert is_stream == r.headers["content-type"].startswith("text/event-stream")
+    if key == "n":  # n choices, each the echo
+        assert choice_texts(r) == dict.fromkeys(range(int(value)), "fuzzed field")
 
 
 @fuzz
