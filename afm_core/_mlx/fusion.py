@@ -213,8 +213,10 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
         # beside the module's dict, so the kernels never count as parameters
         object.__setattr__(layer, "_kernels", kernels)
         changed += 1
+    from .attention import use_decode_attention  # one operation per layer's decode attention
     from .qmatmul import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
 
+    use_decode_attention(model)
     return changed + use_fast_qmm(model)
 
 
@@ -242,6 +244,8 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
             continue
         layer.__class__ = layer.__class__.__mro__[1]
         changed += 1
+    from .attention import restore_decode_attention
     from .qmatmul import restore_qmm
 
+    restore_decode_attention(model)
     return changed + restore_qmm(model)

@@ -66,6 +66,8 @@ class _Extension(Protocol):
     def set_thread_limit(self, n: int) -> None: ...
     def has_sgemm(self) -> bool: ...
     def set_gemm_rows(self, n: int) -> None: ...
+    def decode_attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                         mask: mx.array | None = None) -> mx.array: ...
 
 
 def _flag(name: str) -> bool:
@@ -91,6 +93,12 @@ def _load() -> _Extension | None:
 _ext: _Extension | None = _load()
 
 _SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def extension() -> _Extension | None:
+    """The loaded ``afm_core._mlx.qmm_ext`` (which also holds the decode
+    attention kernel, ``afm_core._mlx.attention``), or None."""
+    return _ext
 
 
 def qmm_available() -> bool:
@@ -176,12 +184,18 @@ def use_fast_qmm(model: nn.Module) -> int:
         else:
             continue
         changed += 1
+    from .qmm_groups import group_siblings  # q/k/v and gate/up as one product each
+
+    group_siblings(model)
     return changed
 
 
 def restore_qmm(model: nn.Module) -> int:
     """Give ``model`` back the layers :func:`use_fast_qmm` switched; returns
     how many changed."""
+    from .qmm_groups import ungroup_siblings
+
+    ungroup_siblings(model)
     changed = 0
     for _, layer in model.named_modules():
         if isinstance(layer, (_FastQuantizedLinear, _FastQuantizedEmbedding)):

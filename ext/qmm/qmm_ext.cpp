@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -26,6 +27,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -37,6 +39,7 @@
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 
+#include "attention_kernels.h"
 #include "qmm_kernels.h"
 
 namespace nb = nanobind;
@@ -65,6 +68,12 @@ int env_int(const char* name, int fallback) {
 // (benchmarks/decode_step.py, 2 cores) spinning 300 us made each product
 // faster (10.7 vs 13-15 ms for all of them) but the step slower (29.8 vs
 // 22.5-24.9 ms), the spinning worker taking the core MLX's own thread needs.
+//
+// A job is split into chunks that the caller and the woken workers claim from
+// one counter.  The caller starts on the chunks at once, so a worker that
+// wakes late (a futex wake-up costs tens of microseconds here, as long as a
+// whole decode-size product) finds less or nothing left to do, instead of
+// the caller spinning idle until that worker has done its fixed share.
 class Pool {
  public:
   explicit Pool(int threads) : size_(threads < 1 ? 1 : threads) {
@@ -73,63 +82,92 @@ class Pool {
   }
   int size() const { return size_; }
 
-  // fn(i) for i in [0, n), the caller taking i = 0; false (nothing run) when
-  // another thread is using the pool.
-  bool run(int n, const std::function<void(int)>& fn) {
-    if (n <= 1) {
-      fn(0);
-      return true;
+  // fn(c) for every chunk c in [0, chunks), on the caller and up to n - 1
+  // workers; all on the caller when another thread is using the pool.
+  void run(int n, int chunks, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::defer_lock);
+    if (n <= 1 || chunks <= 1 || !busy.try_lock()) {
+      for (int c = 0; c < chunks; ++c) fn(c);
+      return;
     }
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock()) return false;
-    job_ = &fn;
-    active_ = n;
-    remaining_.store(n - 1);
-    gen_.fetch_add(1);
+    if (chunks > kMaxChunks) chunks = kMaxChunks;  // (callers ask for far fewer)
+    job_.store(&fn, std::memory_order_relaxed);
+    active_.store(n, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ++gen_;
+    // the chunk count rides in the state word, so a claim can only succeed
+    // for the job it was read for (see claim())
+    state_.store(gen << 32 | static_cast<uint64_t>(chunks) << 16, std::memory_order_release);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lk(mu_);
       cv_.notify_all();
     }
-    fn(0);
-    while (remaining_.load(std::memory_order_acquire) != 0) cpu_relax();
-    return true;
+    int c;
+    while ((c = claim(gen)) >= 0) {
+      fn(c);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+    while (done_.load(std::memory_order_acquire) != chunks) cpu_relax();
   }
 
  private:
+  static constexpr int kMaxChunks = 0xFFFF;
+
+  // The next unclaimed chunk of job `gen`, or -1 when it has none left (or a
+  // newer job replaced it).  A successful claim means job `gen` is still
+  // running: its caller waits for every claimed chunk before returning.
+  int claim(uint64_t gen) {
+    uint64_t cur = state_.load(std::memory_order_acquire);
+    for (;;) {
+      const int chunks = static_cast<int>((cur >> 16) & 0xFFFF);
+      const int next = static_cast<int>(cur & 0xFFFF);
+      if ((cur >> 32) != gen || next >= chunks) return -1;
+      if (state_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) return next;
+    }
+  }
+
+  uint64_t wait_for_job(uint64_t seen) {
+    uint64_t g;
+    const auto start = std::chrono::steady_clock::now();
+    int spins = 0;
+    while ((g = state_.load(std::memory_order_acquire) >> 32) == seen) {
+      cpu_relax();
+      if ((++spins & 63) == 0 &&
+          std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+        std::unique_lock<std::mutex> lk(mu_);
+        sleepers_.fetch_add(1);
+        cv_.wait(lk, [&] { return (state_.load() >> 32) != seen; });
+        sleepers_.fetch_sub(1);
+      }
+    }
+    return g;
+  }
+
   void work(int index) {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t g = gen_.load(std::memory_order_acquire);
-      if (g == seen) {
-        const auto start = std::chrono::steady_clock::now();
-        int spins = 0;
-        while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-          cpu_relax();
-          if ((++spins & 63) == 0 &&
-              std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
-            std::unique_lock<std::mutex> lk(mu_);
-            sleepers_.fetch_add(1);
-            cv_.wait(lk, [&] { return gen_.load() != seen; });
-            sleepers_.fetch_sub(1);
-          }
-        }
-      }
-      seen = g;
-      if (index < active_) {
-        (*job_)(index);
-        remaining_.fetch_sub(1, std::memory_order_release);
+      seen = wait_for_job(seen);
+      if (index >= active_.load(std::memory_order_relaxed)) continue;
+      // read after the state that published this job: it is this job's
+      // function or a newer one's, and a claim below fails for a newer one
+      const std::function<void(int)>* fn = job_.load(std::memory_order_acquire);
+      int c;
+      while ((c = claim(seen)) >= 0) {
+        (*fn)(c);
+        done_.fetch_add(1, std::memory_order_release);
       }
     }
   }
 
   const int size_;
   int spin_us_ = 0;
+  uint64_t gen_ = 0;  // the last job's number (under busy_)
   std::mutex busy_, mu_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> remaining_{0}, sleepers_{0};
-  const std::function<void(int)>* job_ = nullptr;
-  int active_ = 0;
+  // job number << 32 | chunks << 16 | next chunk to claim
+  std::atomic<uint64_t> state_{0};
+  std::atomic<const std::function<void(int)>*> job_{nullptr};
+  std::atomic<int> active_{0}, done_{0}, sleepers_{0};
 };
 
 Pool* g_pool = nullptr;
@@ -326,31 +364,32 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   if (work < 200000.0) threads = 1;  // too small to be worth a hand-off
   if (threads > N) threads = N;
 
+  // Both stages are split into chunks claimed by whichever thread is free
+  // (Pool::run): several per thread, so a late worker costs little.
   if (threads == 1 || M < 16 * threads) {
     quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp, 0, M);
   } else {
-    const std::function<void(int)> quant = [&](int i) {
+    const int chunks = std::min(M, 4 * threads);
+    const std::function<void(int)> quant = [&](int c) {
       quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
-                    static_cast<int>(static_cast<int64_t>(M) * i / threads),
-                    static_cast<int>(static_cast<int64_t>(M) * (i + 1) / threads));
+                    static_cast<int>(static_cast<int64_t>(M) * c / chunks),
+                    static_cast<int>(static_cast<int64_t>(M) * (c + 1) / chunks));
     };
-    if (!p.run(threads, quant)) {  // pool busy (another stream): serial
-      threads = 1;
-      quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
-                    0, M);
-    }
+    p.run(threads, chunks, quant);
   }
   if (threads == 1) {
     ks_set.range(a, wt, y, 0, N);
   } else {
-  const std::function<void(int)> job = [&](int i) {
-    // split on multiples of 8 output rows
+    // chunks of whole multiples of 8 output rows
     const int units = (N + 7) / 8;
-    const int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * i / threads) * 8);
-    const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * (i + 1) / threads) * 8);
-    if (n0 < n1) ks_set.range(a, wt, y, n0, n1);
-  };
-  if (!p.run(threads, job)) ks_set.range(a, wt, y, 0, N);
+    const int chunks = std::min(units, 8 * threads);
+    const std::function<void(int)> job = [&](int c) {
+      const int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * c / chunks) * 8);
+      const int n1 =
+          std::min(N, static_cast<int>(static_cast<int64_t>(units) * (c + 1) / chunks) * 8);
+      if (n0 < n1) ks_set.range(a, wt, y, n0, n1);
+    };
+    p.run(threads, chunks, job);
   }
   if (passes == 2) {
     for (int m = 0; m < M; ++m) {
@@ -439,6 +478,124 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   return out_type == mx::float32 ? y : mx::astype(y, out_type, stream);
 }
 
+// ---------------------------------------------------------------- attention
+
+afm_attn::View4 view4(const mx::array& a) {
+  afm_attn::View4 v;
+  v.p = a.data<float>();
+  for (int i = 0; i < 4; ++i) v.s[i] = a.strides(i);
+  return v;
+}
+
+void attention_compute(const mx::array& q, const mx::array& k, const mx::array& v,
+                       const mx::array* mask, mx::array& out, float scale) {
+  afm_attn::Args a;
+  a.q = view4(q);
+  a.k = view4(k);
+  a.v = view4(v);
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.Hkv = k.shape(1);
+  a.S = k.shape(2);
+  a.D = q.shape(3);
+  a.scale = scale;
+  a.out = out.data<float>();
+  if (mask != nullptr) {  // broadcast to (B, Hq, 1, S): strides 0 where it was
+    a.mask_kind = mask->dtype() == mx::bool_ ? afm_attn::MaskKind::boolean
+                                             : afm_attn::MaskKind::additive;
+    a.mask = mask->data<void>();
+    a.ms[0] = mask->strides(0);
+    a.ms[1] = mask->strides(1);
+    a.ms[2] = mask->strides(3);
+  }
+  const int units = a.B * a.Hkv;
+  if (units == 0) return;
+  Pool& p = pool();
+  int threads = p.size();
+  const int limit = g_thread_limit.load();
+  if (limit > 0 && limit < threads) threads = limit;
+  const double work = static_cast<double>(a.B) * a.Hq * a.S * a.D;
+  if (work < 300000.0 || units == 1) threads = 1;
+  if (threads == 1) {
+    afm_attn::decode_attention_units(a, 0, units);
+    return;
+  }
+  const std::function<void(int)> job = [&](int u) { afm_attn::decode_attention_units(a, u, u + 1); };
+  p.run(threads, units, job);
+}
+
+class AfmDecodeAttention : public mx::Primitive {
+ public:
+  AfmDecodeAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const bool masked = inputs.size() == 4;
+    enc.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
+                  k = mx::array::unsafe_weak_copy(inputs[1]),
+                  v = mx::array::unsafe_weak_copy(inputs[2]),
+                  m = mx::array::unsafe_weak_copy(inputs[masked ? 3 : 0]), masked,
+                  out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
+      attention_compute(q, k, v, masked ? &m : nullptr, out, scale);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("afm attention: this primitive runs on the CPU only");
+  }
+
+  const char* name() const override { return "AfmDecodeAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const AfmDecodeAttention&>(other).scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           float scale, const std::optional<mx::array>& mask) {
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
+    throw std::invalid_argument("afm attention: q, k and v must have 4 dimensions");
+  }
+  const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3);
+  const int Hkv = k.shape(1), S = k.shape(2);
+  if (q.shape(2) != 1) throw std::invalid_argument("afm attention: one query position only");
+  if (k.shape(0) != B || v.shape(0) != B || k.shape(3) != D || v.shape(3) != D ||
+      v.shape(1) != Hkv || v.shape(2) != S) {
+    throw std::invalid_argument("afm attention: k and v must be (B, Hkv, S, D) for q (B, Hq, 1, D)");
+  }
+  if (Hkv == 0 || Hq % Hkv != 0) {
+    throw std::invalid_argument("afm attention: query heads must be a multiple of key heads");
+  }
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    throw std::invalid_argument("afm attention: q, k and v must be float32");
+  }
+  const mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("afm attention: the default device must be the CPU");
+  }
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask.has_value()) {
+    if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32) {
+      throw std::invalid_argument("afm attention: the mask must be bool or float32");
+    }
+    // (raises for a mask that does not broadcast to the scores)
+    inputs.push_back(mx::broadcast_to(*mask, {B, Hq, 1, S}, stream));
+  }
+  return mx::array({B, Hq, 1, D}, mx::float32,
+                   std::make_shared<AfmDecodeAttention>(stream, scale), std::move(inputs));
+}
+
 }  // namespace
 }  // namespace afm_qmm
 
@@ -449,6 +606,11 @@ NB_MODULE(qmm_ext, m) {
         "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases).T, float32 accumulation, activations quantized "
         "to int8 per block of 32");
+  m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
+        "mask"_a = nb::none(),
+        "softmax(scale * q k^T + mask) v for one query position per (batch, head): q (B, Hq, "
+        "1, D), k and v (B, Hkv, S, D), float32; a bool mask keeps where true, a float32 mask "
+        "is added; both broadcast to (B, Hq, 1, S).");
   m.def("isa", [] { return std::string(afm_qmm::kernels().name); },
         "The instruction set of the kernels in use.");
   m.def("available_isas", [] {

@@ -1,0 +1,119 @@
+"""Decode-time attention as one MLX operation on the CPU.
+
+On the CPU, ``mx.fast.scaled_dot_product_attention`` has no kernel of its own:
+every call expands into its reference graph (a query scale, a grouped-query
+reshape, two matmuls, a mask select, a softmax, and the broadcasts, flattens
+and transposes between them), a dozen-odd operations per layer that MLX's
+CPU scheduler runs one task at a time.  For one query position (decode), the
+arithmetic is tiny and that bookkeeping is the cost: with the attention taken
+out of the default model's decode step, the step ran 22% faster
+(``benchmarks/decode_step.py``).
+
+``afm_core._mlx.qmm_ext.decode_attention`` (``ext/qmm/attention_kernels.cpp``)
+computes the same thing for one query position per (batch, head) as a single
+MLX primitive: float32 ``q`` (B, Hq, 1, D) against ``k``/``v`` (B, Hkv, S, D)
+read in place (the cache's strided slices), grouped queries, a boolean or
+additive mask broadcast to (B, Hq, 1, S), the rows split over the kernels'
+thread pool at long contexts.  It agrees with MLX's to float rounding
+(``tests/mlx/test_attention.py``).
+
+mlx-lm's models call the ``scaled_dot_product_attention`` their module
+imported from ``mlx_lm.models.base``; :func:`use_decode_attention` points that
+name, in the modules of a model's layers, at :func:`scaled_dot_product_attention`
+here, which takes the kernel when it applies (one query position, float32, CPU,
+no quantized cache, no attention sinks) and calls mlx-lm's function otherwise.
+The name is module-wide, so it is counted per module and given back
+(:func:`restore_decode_attention`) when the last model using it lets go.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as _base
+
+from . import qmatmul as _qmm
+
+__all__ = ["restore_decode_attention", "scaled_dot_product_attention", "use_decode_attention"]
+
+NO_DECODE_ATTENTION_ENV = "AFM_NO_DECODE_ATTENTION"
+_NAME = "scaled_dot_product_attention"
+_original = _base.scaled_dot_product_attention
+_lock = threading.Lock()
+_users: dict[str, int] = {}  # module name -> models using the kernel there
+
+
+def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+             mask: Any, sinks: Any) -> bool:
+    return (queries.ndim == 4 and queries.shape[2] == 1 and sinks is None
+            and not hasattr(cache, "bits")
+            and queries.dtype == keys.dtype == values.dtype == mx.float32
+            and (mask is None or isinstance(mask, str)
+                 or (isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32)))
+            and mx.default_device() == mx.cpu)
+
+
+def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                 cache: Any, scale: float, mask: Any,
+                                 sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``, through the decode kernel
+    where it applies."""
+    ext = _qmm.extension()
+    if ext is not None and _applies(queries, keys, values, cache, mask, sinks):
+        # one query position: a "causal" mask hides nothing
+        return ext.decode_attention(queries, keys, values, float(scale),
+                                    mask if isinstance(mask, mx.array) else None)
+    return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _modules(model: nn.Module) -> list[ModuleType]:
+    names = {type(layer).__module__ for _, layer in model.named_modules()}
+    found = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, _NAME, None) in (
+                _original, scaled_dot_product_attention):
+            found.append(module)
+    return found
+
+
+def use_decode_attention(model: nn.Module) -> int:
+    """Route the attention of ``model``'s mlx-lm modules through the decode
+    kernel; returns how many modules it applies to (0 without the extension,
+    off the CPU, or with ``AFM_NO_DECODE_ATTENTION=1``)."""
+    if (_qmm.extension() is None or mx.default_device() != mx.cpu
+            or os.environ.get(NO_DECODE_ATTENTION_ENV, "") not in ("", "0")):
+        return 0
+    modules = _modules(model)
+    with _lock:
+        for module in modules:
+            setattr(module, _NAME, scaled_dot_product_attention)
+            _users[module.__name__] = _users.get(module.__name__, 0) + 1
+    object.__setattr__(model, "_afm_attention_modules", tuple(m.__name__ for m in modules))
+    return len(modules)
+
+
+def restore_decode_attention(model: nn.Module) -> int:
+    """Undo :func:`use_decode_attention` for ``model``: a module gets mlx-lm's
+    function back when no other model uses the kernel there."""
+    names: tuple[str, ...] = getattr(model, "_afm_attention_modules", ())
+    if not names:
+        return 0
+    object.__delattr__(model, "_afm_attention_modules")
+    with _lock:
+        for name in names:
+            left = _users.get(name, 0) - 1
+            if left > 0:
+                _users[name] = left
+                continue
+            _users.pop(name, None)
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, _NAME, None) is scaled_dot_product_attention:
+                setattr(module, _NAME, _original)
+    return len(names)
