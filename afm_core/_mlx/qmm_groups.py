@@ -1,0 +1,153 @@
+"""Sibling quantized projections that read the same input, as one product.
+
+A llama-style layer computes ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)``
+from one ``x``, then ``gate_proj(x)`` and ``up_proj(x)`` from another: five
+products where two would do.  On MLX's CPU backend each product is an
+operation of its own (a task for MLX's scheduler, a hand-off to the kernels'
+thread pool, its own quantization of the same activations), which for the
+small matrices of a decode step costs about as much as the arithmetic.
+
+:func:`group_siblings` concatenates each such family's quantized weights,
+scales and biases into one matrix (the layers' own parameters become row
+slices of it: views, no second copy) and makes the layers share one
+:class:`_Group`: the first member called with an input computes the whole
+product, and each member returns its columns of it.  Every output row is
+computed exactly as it was alone (the kernels quantize each activation row
+once and compute each output row on its own), so results are the same bits
+(``tests/mlx/test_qmm_groups.py``).  A member called with a different input
+than its siblings computes its own slice of the weights instead, so a model
+that does not call them together stays correct.
+
+``AFM_NO_QMM_GROUPS=1`` leaves the layers apart (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import qmatmul as _qmm
+
+__all__ = ["SIBLINGS", "group_siblings", "ungroup_siblings"]
+
+SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Families of a module's children that read the same input (mlx-lm's names)."""
+
+NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
+
+
+class _Group:
+    """One family's concatenated weight and the last product computed with it."""
+
+    __slots__ = (
+        "_left",
+        "_x",
+        "_y",
+        "biases",
+        "bits",
+        "bounds",
+        "group_size",
+        "scales",
+        "weight",
+    )
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.weight = mx.concatenate([layer["weight"] for layer in layers], axis=0)
+        self.scales = mx.concatenate([layer["scales"] for layer in layers], axis=0)
+        self.biases = mx.concatenate([layer["biases"] for layer in layers], axis=0)
+        mx.eval(self.weight, self.scales, self.biases)
+        self.group_size: int = layers[0].group_size
+        self.bits: int = layers[0].bits
+        bounds, start = [], 0
+        for layer in layers:
+            n = layer["weight"].shape[0]
+            bounds.append((start, start + n))
+            start += n
+        self.bounds: tuple[tuple[int, int], ...] = tuple(bounds)
+        self._x: mx.array | None = None
+        self._y: mx.array | None = None
+        self._left: set[int] = set()
+
+    def columns(self, x: mx.array, index: int) -> mx.array:
+        """Member ``index``'s output for ``x``, from the family's one product."""
+        if self._x is not x:
+            ext = _qmm.extension()
+            assert ext is not None
+            self._x = x
+            self._y = ext.quantized_matmul(x, self.weight, self.scales, self.biases,
+                                           self.group_size, self.bits)
+            self._left = set(range(len(self.bounds)))
+        y = self._y
+        assert y is not None
+        self._left.discard(index)
+        if not self._left:  # every member served: hold no activations between calls
+            self._x = self._y = None
+        a, b = self.bounds[index]
+        return y[..., a:b]
+
+
+class _GroupedQuantizedLinear(_qmm._FastQuantizedLinear):
+    """A member of a :class:`_Group` (its own parameters are views of the group's)."""
+
+    _group: _Group
+    _index: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._group.columns(x, self._index)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def _groupable(layers: list[Any]) -> bool:
+    first = layers[0]
+    return all(
+        type(layer) is _qmm._FastQuantizedLinear
+        and layer.bits == first.bits and layer.group_size == first.group_size
+        and layer["weight"].shape[1] == first["weight"].shape[1]
+        and layer["scales"].dtype == first["scales"].dtype
+        for layer in layers)
+
+
+def group_siblings(model: nn.Module) -> int:
+    """Group ``model``'s sibling projections that run on afm's quantized
+    kernels (see the module docstring); returns how many families changed."""
+    if _qmm.extension() is None or os.environ.get(NO_GROUPS_ENV, "") not in ("", "0"):
+        return 0
+    families = 0
+    for _, parent in model.named_modules():
+        children = parent.children() if isinstance(parent, nn.Module) else {}
+        for names in SIBLINGS:
+            found = [children.get(name) for name in names]
+            layers: list[Any] = [layer for layer in found if layer is not None]
+            if len(layers) < len(names) or not _groupable(layers):
+                continue
+            group = _Group(layers)
+            for index, layer in enumerate(layers):
+                a, b = group.bounds[index]
+                layer["weight"] = group.weight[a:b]
+                layer["scales"] = group.scales[a:b]
+                layer["biases"] = group.biases[a:b]
+                mx.eval(layer["weight"], layer["scales"], layer["biases"])
+                layer.__class__ = _GroupedQuantizedLinear
+                object.__setattr__(layer, "_group", group)
+                object.__setattr__(layer, "_index", index)
+            families += 1
+    return families
+
+
+def ungroup_siblings(model: nn.Module) -> int:
+    """Make :func:`group_siblings`'s members plain fast layers again (their
+    parameters stay views of the family's matrix); returns how many changed."""
+    changed = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, _GroupedQuantizedLinear):
+            object.__delattr__(layer, "_group")
+            object.__delattr__(layer, "_index")
+            fast: type[Any] = _qmm._FastQuantizedLinear
+            layer.__class__ = fast
+            changed += 1
+    return changed

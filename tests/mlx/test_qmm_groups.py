@@ -1,0 +1,91 @@
+"""afm_core._mlx.qmm_groups: sibling projections as one product, same bits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import afm_core  # noqa: F401  (binds the BLAS under MLX first)
+from afm_core._mlx import qmatmul as _qmatmul
+from afm_core._mlx import qmm_groups
+
+needs_ext = pytest.mark.skipif(_qmatmul.extension() is None,
+                               reason="afm_core._mlx.qmm_ext is not built or disabled")
+
+
+def _model(tmp_path, bits=4):
+    from mlx_lm.utils import load_model
+
+    from afm_core.testing import make_random_model
+
+    path = make_random_model(tmp_path / "m", hidden_size=128, num_layers=2,
+                             intermediate_size=256, seed=7)
+    model, _ = load_model(path)
+    nn.quantize(model, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def _logits(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([[5, 17, 256, 3, 99, 7, 1, 2, 3]]), cache=cache)]
+    for token in (42, 7, 300):
+        out.append(model(mx.array([[token]]), cache=cache))
+    mx.eval(out)
+    return [np.array(o) for o in out]
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_products_are_the_same_bits(tmp_path, bits, monkeypatch):
+    model = _model(tmp_path, bits)
+    monkeypatch.setenv(qmm_groups.NO_GROUPS_ENV, "1")
+    _qmatmul.use_fast_qmm(model)  # fast kernels, layers apart
+    apart = _logits(model)
+    weights = {name: np.array(p) for name, p in
+               nn.utils.tree_flatten(model.parameters()) if "proj" in name}
+    monkeypatch.delenv(qmm_groups.NO_GROUPS_ENV)
+    assert qmm_groups.group_siblings(model) == 2 * 2  # q/k/v and gate/up of 2 layers
+    attn = model.model.layers[0].self_attn
+    assert type(attn.q_proj).__name__ == "_GroupedQuantizedLinear"
+    assert attn.q_proj._group is attn.v_proj._group
+    # the layers' own parameters are unchanged in value (views of the family's matrix)
+    for name, p in nn.utils.tree_flatten(model.parameters()):
+        if "proj" in name:
+            assert np.array_equal(np.array(p), weights[name]), name
+    grouped = _logits(model)
+    for a, b in zip(grouped, apart, strict=True):
+        assert np.array_equal(a, b)
+    assert qmm_groups.ungroup_siblings(model) == 2 * 5
+    assert type(attn.q_proj) is _qmatmul._FastQuantizedLinear
+    for a, b in zip(_logits(model), apart, strict=True):
+        assert np.array_equal(a, b)
+
+
+@needs_ext
+def test_a_member_called_alone_and_no_activations_held(tmp_path):
+    model = _model(tmp_path)
+    _qmatmul.use_fast_qmm(model)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj._group
+    x = mx.random.normal((1, 3, 128))
+    y = mx.random.normal((1, 3, 128))
+    q_x = attn.q_proj(x)
+    k_y = attn.k_proj(y)  # another input: computed for y, not sliced from x's product
+    ref_k = _qmatmul.quantized_matmul(y, attn.k_proj["weight"], attn.k_proj["scales"],
+                                      attn.k_proj["biases"], group_size=32, bits=4)
+    assert np.array_equal(np.array(k_y), np.array(ref_k))
+    assert q_x.shape == (1, 3, 128)
+    for layer in (attn.q_proj, attn.k_proj, attn.v_proj):
+        layer(y)
+    assert group._x is None and group._y is None  # every member served: nothing held
+
+
+def test_nothing_groups_without_the_extension(tmp_path, monkeypatch):
+    model = _model(tmp_path)
+    monkeypatch.setattr(_qmatmul, "_ext", None)
+    assert qmm_groups.group_siblings(model) == 0
