@@ -12,18 +12,21 @@ from afm_core import Engine
 
 from ._asgi import AFMQuart
 from ._middleware import install
+from ._registry import ModelRegistry
 from ._routes import ROUTES
 from ._state import AppState, ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None, *,
+def create_app(engine: Engine | ModelRegistry, config: ServerConfig | None = None, *,
                embedder: Engine | None = None) -> AFMQuart:
-    """The ASGI app serving ``engine`` (run it with hypercorn's trio worker);
-    ``embedder``, when given, answers ``/v1/embeddings`` instead of ``engine``
-    (``afm serve --embedding-model``)."""
+    """The ASGI app serving ``engine`` (run it with hypercorn's trio worker), or
+    the models of a running :class:`~afm_http._registry.ModelRegistry`
+    (``afm serve --model A --model B``); ``embedder``, when given, answers
+    ``/v1/embeddings`` instead (``afm serve --embedding-model``)."""
     cfg = config or ServerConfig()
+    models = engine if isinstance(engine, ModelRegistry) else ModelRegistry.serving(engine)
     app = AFMQuart("afm")
     app.config.update(
         MAX_CONTENT_LENGTH=cfg.max_body_bytes,
@@ -31,7 +34,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *,
         BODY_TIMEOUT=cfg.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    app.afm_state = AppState(engine, cfg, embedder=embedder)
+    app.afm_state = AppState(models, cfg, embedder=embedder)
     install(app)
     for register in ROUTES:
         register(app)

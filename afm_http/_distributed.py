@@ -90,7 +90,8 @@ def follow(args: argparse.Namespace) -> int | None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     config = EngineConfig(distributed=distributed, cpu_fusion=not getattr(args, "no_cpu_fusion", False))
     try:
-        return run_follower(args.model, config)
+        model = args.model[0] if isinstance(args.model, list) else args.model  # one (afm serve refuses more)
+        return run_follower(model, config)
     except (DistributedError, ValueError) as exc:
         print(f"afm: rank {rank}: {exc}", file=sys.stderr, flush=True)
         return 1

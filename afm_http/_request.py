@@ -14,10 +14,12 @@ from quart import g, request
 from afm_core import RequestError
 
 from ._body import parse_json
+from ._registry import ModelChoice
+from ._residency import parse_keep_alive
 from ._state import current_state
 
-__all__ = ["PROGRESS_HEADER", "body_was_read", "progress_requested", "read_json", "request_id",
-           "request_id_or_none", "sent_a_body", "set_request_id"]
+__all__ = ["PROGRESS_HEADER", "body_was_read", "model_choice", "progress_requested", "read_json",
+           "request_id", "request_id_or_none", "sent_a_body", "set_request_id"]
 
 PROGRESS_HEADER = "X-AFM-Progress"
 """``true`` asks a streamed response of any wire API for prompt-progress events."""
@@ -52,6 +54,22 @@ async def read_json() -> Any:
     raw = await request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
     g.afm_body_read = True
     return parse_json(raw, max_depth=cfg.max_json_depth)
+
+
+def model_choice(body: Any) -> ModelChoice:
+    """The model a (validated) request body names and its ``keep_alive`` (Ollama's:
+    seconds or a duration such as ``"5m"``; 0 unloads the model once idle, negative
+    keeps it); a bad ``keep_alive`` is a 400."""
+    if not isinstance(body, dict):
+        return ModelChoice()
+    model = body.get("model")
+    keep_alive = body.get("keep_alive")
+    if keep_alive is not None:
+        try:
+            keep_alive = parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="keep_alive") from None
+    return ModelChoice(model if isinstance(model, str) else None, keep_alive)
 
 
 def body_was_read() -> bool:

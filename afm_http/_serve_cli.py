@@ -6,6 +6,13 @@ listening, cancels open requests (their streams end ``cancelled`` then
 SIGTERM drains first (``/health`` 503, new generation requests 503, running
 streams get up to S seconds: :mod:`afm_http._drain`); Ctrl-C, or a second
 signal, still stops at once.
+
+``--model`` given more than once, or ``--models-dir DIR``, serves several
+models from one process (:mod:`afm_http._registry`): a request's ``model``
+picks one (the first is the default), each loads on first use and unloads
+once idle for ``--keep-alive`` (or the request's ``keep_alive``), or when
+``--max-loaded-bytes`` needs room.  With one model nothing changes: it is
+loaded before the server listens and kept.
 """
 
 from __future__ import annotations
@@ -22,10 +29,16 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import _distributed
-from ._argtypes import positive_seconds
+from ._argtypes import byte_count, positive_seconds
+from ._residency import FOREVER, parse_keep_alive
 
 if TYPE_CHECKING:
-    from afm_core import Engine
+    from afm_core import Engine, EngineConfig
+
+    from ._registry import ModelSpec
+
+DEFAULT_KEEP_ALIVE = 300.0
+"""How long an idle model stays loaded when several are served (Ollama's 5 minutes)."""
 
 
 def _int_at_least(lo: int) -> Callable[[str], int]:
@@ -51,6 +64,13 @@ def _seconds_or_zero(text: str) -> float:
     return value
 
 
+def _keep_alive(text: str) -> float:
+    try:
+        return parse_keep_alive(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -59,9 +79,23 @@ def _port(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", action="append", default=None, metavar="M",
                         help="mlx-lm directory, .gguf file or Hugging Face repo id "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
+                             "(default: the embedded SmolLM2-135M-Instruct); repeat it to serve "
+                             "several models, chosen by each request's 'model' (the first is the "
+                             "default), each loaded on first use")
+    parser.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="also serve every model in DIR (its mlx-lm model subdirectories and "
+                             ".gguf files, by name), each loaded on first use")
+    parser.add_argument("--keep-alive", type=_keep_alive, default=None, metavar="DURATION",
+                        help="how long a model stays loaded once its last request ended, in seconds "
+                             "or as '5m', '1h'; 0: unload at once, negative: never (a request's "
+                             "'keep_alive' overrides it, as Ollama's; default: 5m with several "
+                             "models, never with one)")
+    parser.add_argument("--max-loaded-bytes", type=byte_count, default=None, metavar="N",
+                        help="budget for the loaded models' weights (bytes on disk; e.g. 8G): "
+                             "loading one first unloads the least recently used idle ones, or "
+                             "waits for one to become idle (default: no budget)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default: 127.0.0.1, loopback only)")
     parser.add_argument("--port", type=_port, default=9999, help="TCP port (0: any free port)")
@@ -144,14 +178,74 @@ def _say(message: str) -> None:
     print(f"afm: {message}", file=sys.stderr, flush=True)
 
 
-async def _main(args: argparse.Namespace) -> None:
-    from afm_core import open_engine, resolve_model, runtime_info
+def _several(args: argparse.Namespace) -> bool:
+    return len(args.model or ()) > 1 or args.models_dir is not None
 
+
+async def _model_specs(args: argparse.Namespace) -> list[ModelSpec]:
+    """The served models: each ``--model`` (the default model, when named so or
+    when none is given, is fetched now), then ``--models-dir``'s."""
+    from afm_core import ModelLoadError, resolve_model
+
+    from ._registry import model_spec, models_in_dir
+
+    values = args.model or ([] if args.models_dir else [None])
+    specs = []
+    for value in values:
+        if value is None or value.strip() in ("", "default") or not _several(args):
+            # one model is resolved (fetched, converted) before serving, as it always was
+            value = await trio.to_thread.run_sync(resolve_model, value)
+        specs.append(model_spec(value))
+    if args.models_dir is not None:
+        found = models_in_dir(args.models_dir)
+        if not found:
+            raise ModelLoadError(f"--models-dir {args.models_dir}: no mlx-lm model directory or "
+                                 ".gguf file in it")
+        specs += found
+    ids = [s.id for s in specs]
+    if len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ModelLoadError(f"two models have the same id ({', '.join(twice)}): a request's "
+                             "'model' could not tell them apart; rename one")
+    return specs
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    from afm_core import EngineConfig
+
+    return EngineConfig(max_batch=args.max_batch, max_waiting=args.max_waiting,
+                        prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
+                        prefix_cache_bytes=args.prefix_cache_bytes,
+                        cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
+                        default_max_tokens=args.default_max_tokens,
+                        grammar=not args.no_grammar,
+                        warmup=not args.no_warmup,
+                        cpu_fusion=not args.no_cpu_fusion,
+                        embedding_pooling=args.embedding_pooling,
+                        distributed=_distributed.config_from(args))
+
+
+def _duration(seconds: float) -> str:
+    return "never" if seconds == FOREVER else f"{seconds:g} s"
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from afm_core import resolve_model, runtime_info
+
+    from ._registry import open_models
     from ._server import serve_engine
     from ._state import ServerConfig
 
-    path = await trio.to_thread.run_sync(resolve_model, args.model)
-    _say(f"loading {path}")
+    specs = await _model_specs(args)
+    several = _several(args)
+    keep_alive = args.keep_alive if args.keep_alive is not None \
+        else DEFAULT_KEEP_ALIVE if several else FOREVER
+    if several:
+        _say(f"{len(specs)} models, each loaded on first use (keep-alive {_duration(keep_alive)}"
+             + (f", at most {args.max_loaded_bytes} bytes of weights loaded" if args.max_loaded_bytes
+                else "") + "): " + ", ".join(s.id for s in specs))
+    else:
+        _say(f"loading {specs[0].source}")
     embedding_path = None
     if args.embedding_model is not None:
         embedding_path = await trio.to_thread.run_sync(resolve_model, args.embedding_model)
@@ -165,22 +259,15 @@ async def _main(args: argparse.Namespace) -> None:
     stop = trio.Event()
     drain = trio.Event()
 
-    async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                           prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
-                           prefix_cache_bytes=args.prefix_cache_bytes,
-                           cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
-                           default_max_tokens=args.default_max_tokens,
-                           grammar=not args.no_grammar,
-                           warmup=not args.no_warmup,
-                           cpu_fusion=not args.no_cpu_fusion,
-                           embedding_pooling=args.embedding_pooling,
-                           distributed=_distributed.config_from(args)) as engine, \
+    async with open_models(specs, config=_engine_config(args), keep_alive=keep_alive,
+                           max_loaded_bytes=args.max_loaded_bytes, strict=several,
+                           preload=() if several else (specs[0].id,)) as models, \
             _embedding_engine(embedding_path, args) as embedder:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
                 async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
-                    await serve_engine(engine, host=args.host, port=args.port, server=server,
+                    await serve_engine(models, host=args.host, port=args.port, server=server,
                                        shutdown_trigger=stop.wait, drain_trigger=drain.wait,
                                        quiet=args.quiet, embedder=embedder, task_status=task_status)
                     nursery.cancel_scope.cancel()  # (after a drain) stop waiting for signals
@@ -191,8 +278,10 @@ async def _main(args: argparse.Namespace) -> None:
                 _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
                      f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
                 auth = ", API key required" if args.api_key else ""
-                _say(f"serving {engine.model_id} (context {engine.context_length} tokens) "
-                     f"on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
+                engine = models.engine_of(models.default_id)
+                what = f"{engine.model_id} (context {engine.context_length} tokens)" \
+                    if engine is not None and not several else f"{len(specs)} models"
+                _say(f"serving {what} on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
                      + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
                 if embedder is not None:
                     _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
@@ -234,6 +323,10 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean shutdown, 1 when the server cannot start."""
     from afm_core import AFMError
 
+    if args.distributed is not None and _several(args):
+        _say("--distributed serves one model over several hosts: give one --model (no "
+             "--models-dir); run another afm serve for each other model")
+        return 1
     if args.cache_dir is not None and args.distributed is not None:
         _say("--cache-dir cannot be used with --distributed: each rank holds only its shard of "
              "every cached prefix (the memory tier works on every rank)")

@@ -17,6 +17,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from afm_core import Engine
 
 from ._app import create_app
+from ._registry import ModelRegistry
 from ._state import AppState, ServerConfig
 
 __all__ = ["GRACEFUL_SECONDS", "hypercorn_config", "serve_engine"]
@@ -97,14 +98,14 @@ def hypercorn_config(host: str = "127.0.0.1", port: int = 9999, *, quiet: bool =
     return config
 
 
-async def serve_engine(engine: Engine, *, host: str = "127.0.0.1", port: int = 9999,
+async def serve_engine(engine: Engine | ModelRegistry, *, host: str = "127.0.0.1", port: int = 9999,
                        server: ServerConfig | None = None,
                        shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
                        drain_trigger: Callable[[], Awaitable[Any]] | None = None,
                        quiet: bool = False,
                        embedder: Engine | None = None,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``engine`` until cancelled or until a trigger ends it.
+    """Serve ``engine`` (or a running registry's models) until cancelled or until a trigger ends it.
 
     ``task_status.started`` gets the bound URLs (``port=0`` picks a free port).
     When ``shutdown_trigger()`` returns, listening stops and every open request

@@ -2,27 +2,32 @@
 
 :class:`ServerConfig` holds the HTTP-layer options (the engine has its own
 ``EngineConfig``); :class:`AppState` is the one object a route or middleware
-reaches for the engine, the options, the request ids open with the engine,
-the response counts and the Responses API's stored and running responses.  :func:`current_state` finds it for the request being
+reaches for the served models (a route gets its engine with
+``async with state.engine_for(choice) as engine``, which holds the model for
+the request's life: :mod:`afm_http._registry`), the options, the request ids
+open with the engines, the response counts and the Responses API's stored
+and running responses.  :func:`current_state` finds it for the request being
 handled, so handlers are plain module-level functions.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import trio
 from quart import current_app
 
-from afm_core import Engine
+from afm_core import Engine, EngineClosedError
 from afm_core.api.responses import ResponseWriter
 from afm_core.api.responses_store import DEFAULT_MAX_AGE, DEFAULT_MAX_RESPONSES, ResponseStore
 
 from ._body import MAX_DEPTH
 from ._drain import Drain
 from ._ids import InFlight
+from ._registry import ModelChoice, ModelRegistry
 
 if TYPE_CHECKING:
     from ._asgi import AFMQuart
@@ -70,13 +75,14 @@ class LiveResponse:
 class AppState:
     """One app's shared state (set by :func:`afm_http.create_app`)."""
 
-    engine: Engine
+    models: ModelRegistry
+    """The served models (one, or several with ``afm serve --model A --model B``)."""
     config: ServerConfig
     embedder: Engine | None = None
     """A dedicated embedding model's engine (``--embedding-model``); None: the
-    served model answers ``/v1/embeddings`` itself."""
+    request's model answers ``/v1/embeddings`` itself."""
     inflight: InFlight = field(default_factory=InFlight)
-    """Request ids this app has open with the engine (cancelled at shutdown)."""
+    """Request ids this app has open with the engines (cancelled at shutdown)."""
     draining: Drain = field(default_factory=Drain)
     """Whether this replica is draining (``/health`` 503, new generation requests 503)."""
     statuses: Counter[int] = field(default_factory=Counter)
@@ -86,23 +92,38 @@ class AppState:
     responses_live: dict[str, LiveResponse] = field(default_factory=dict)
     """Responses API responses in progress, by response id."""
 
+    def engine_for(self, choice: ModelChoice | None = None) -> AbstractAsyncContextManager[Engine]:
+        """``async with``: the engine of the model a request chose (loaded if it was
+        not), held until the block ends; a 404 ``model_not_found`` for an unknown one."""
+        if choice is None:
+            return self.models.use()
+        return self.models.use(choice.model, choice.keep_alive)
+
     @property
-    def embedding_engine(self) -> Engine:
-        """The engine answering ``/v1/embeddings``."""
-        return self.embedder or self.engine
+    def engine(self) -> Engine:
+        """The default model's engine if it is loaded (the routes not yet choosing a model)."""
+        engine = self.models.engine_of(self.models.default_id)
+        if engine is None:
+            raise EngineClosedError("the model is not loaded")
+        return engine
 
     @property
     def engines(self) -> tuple[Engine, ...]:
-        """Every engine this app serves: the model, then the embedding model if any."""
-        return (self.engine,) if self.embedder is None else (self.engine, self.embedder)
+        """Every engine loaded now: the served models', then the embedding model's if any."""
+        loaded = tuple(self.models.engines())
+        return loaded if self.embedder is None else (*loaded, self.embedder)
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size,
                                        self.config.responses_store_ttl)
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel ``request_id`` on whichever model's engine has it."""
+        return sum(e.cancel(request_id) for e in self.models.all_engines()) > 0
+
     def drain(self) -> int:
         """Cancel every request this app has open; each stream ends "cancelled", then [DONE]."""
-        return sum(self.engine.cancel(rid) for rid in self.inflight.ids())
+        return sum(self.cancel(rid) for rid in self.inflight.ids())
 
 
 def current_state() -> AppState:

@@ -6,8 +6,11 @@ A route opens ``engine.stream(...)`` inside an :class:`AsyncExitStack` from
 even if the response body never runs (:func:`close_when_done`).  A body
 generator closes it itself, shielded, with :func:`aclose_shielded`, which
 leaves the engine stream: an unfinished request is dropped at the next step.
-A request with several choices (chat's and completions' ``n``, a list of
-prompts) opens them with :func:`open_choices`: one stream each, in one group.
+The engine is the request's model's (``state.engine_for``), entered into the
+same stack first, so the model stays held (never unloaded) until the stack
+closes.  A request with several choices (chat's and completions' ``n``, a
+list of prompts) opens them with :func:`open_model_choices`: one stream
+each, in one group.
 
 While a streaming request waits (queued behind a full batch, or in a long
 prefill) its body reads the engine stream with :func:`keepalive_batches` (or
@@ -28,13 +31,15 @@ from typing import Any, final
 
 import trio
 
-from afm_core import ChatRequest, ChatStream, CompletionRequest
+from afm_core import ChatRequest, ChatStream, CompletionRequest, Engine
 
 from ._asgi import close_when_done
+from ._registry import ModelChoice
 from ._state import AppState
 
 __all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded",
-           "held_stack", "keepalive_batches", "next_batches", "open_choices"]
+           "held_engine", "held_stack", "keepalive_batches", "next_batches", "open_choices",
+           "open_model_choices"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -73,25 +78,48 @@ async def aclose_shielded(stack: AsyncExitStack) -> None:
         await stack.aclose()
 
 
-async def open_choices(state: AppState, requests: Iterable[ChatRequest | CompletionRequest],
-                       request_id: str, *, profile: str | None = None,
-                       progress: bool = False) -> tuple[AsyncExitStack, list[ChatStream]]:
-    """One engine stream per choice, in a :func:`held_stack`: choice 0 under the
-    client's ``request_id`` (with the ``profile`` and ``progress`` asked for),
-    choice ``i`` as ``<id>/<i>`` in its group, so cancelling the id ends them
-    all.  If one cannot open, those already open are left and the error raised."""
+async def held_engine(state: AppState, choice: ModelChoice | None,
+                      request_id: str) -> tuple[AsyncExitStack, Engine]:
+    """A :func:`held_stack` holding the chosen model's engine too (loaded if it was not)."""
     stack = held_stack(state, request_id)
+    try:
+        engine = await stack.enter_async_context(state.engine_for(choice))
+    except BaseException:
+        await aclose_shielded(stack)
+        raise
+    return stack, engine
+
+
+async def open_model_choices(state: AppState, choice: ModelChoice | None,
+                             requests: Iterable[ChatRequest | CompletionRequest],
+                             request_id: str, *, profile: str | None = None, progress: bool = False,
+                             ) -> tuple[AsyncExitStack, Engine, list[ChatStream]]:
+    """The chosen model's engine (:func:`held_engine`) and one stream of it per
+    choice, in the same stack: choice 0 under the client's ``request_id`` (with the
+    ``profile`` and ``progress`` asked for), choice ``i`` as ``<id>/<i>`` in its
+    group, so cancelling the id ends them all.  If one cannot open, those already
+    open are left (and the model released) and the error raised."""
+    stack, engine = await held_engine(state, choice, request_id)
     streams: list[ChatStream] = []
     try:
         for i, req in enumerate(requests):
             first = i == 0
-            opened = state.engine.stream(req, request_id=request_id if first else f"{request_id}/{i}",
-                                         group=None if first else request_id,
-                                         profile=profile if first else None, progress=progress and first)
+            opened = engine.stream(req, request_id=request_id if first else f"{request_id}/{i}",
+                                   group=None if first else request_id,
+                                   profile=profile if first else None, progress=progress and first)
             streams.append(await stack.enter_async_context(opened))
     except BaseException:
         await aclose_shielded(stack)
         raise
+    return stack, engine, streams
+
+
+async def open_choices(state: AppState, requests: Iterable[ChatRequest | CompletionRequest],
+                       request_id: str, *, profile: str | None = None,
+                       progress: bool = False) -> tuple[AsyncExitStack, list[ChatStream]]:
+    """:func:`open_model_choices` on the default model."""
+    stack, _, streams = await open_model_choices(state, None, requests, request_id, profile=profile,
+                                                 progress=progress)
     return stack, streams
 
 

@@ -21,6 +21,6 @@ def register(app: AFMQuart) -> None:
 
 
 async def cancel(target: str) -> Response:
-    cancelled = valid_request_id(target) and current_state().engine.cancel(target)
+    cancelled = valid_request_id(target) and current_state().cancel(target)
     body = {"id": target, "object": "chat.completion.cancellation", "cancelled": bool(cancelled)}
     return json_response(body, 200 if cancelled else 404)

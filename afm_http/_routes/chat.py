@@ -53,7 +53,7 @@ from afm_core import (
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import progress_requested, read_json, request_id
+from .._request import model_choice, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -62,7 +62,7 @@ from .._streaming import (
     Keepalive,
     aclose_shielded,
     next_batches,
-    open_choices,
+    open_model_choices,
 )
 
 __all__ = ["register"]
@@ -82,15 +82,16 @@ def register(app: AFMQuart) -> None:
 
 async def chat_completions() -> Response:
     state = current_state()
-    engine = state.engine
-    chat = ChatRequest.from_openai(await read_json())
+    body = await read_json()
+    chat = ChatRequest.from_openai(body)
     profile = _profile_mode(request.headers.get("X-AFM-Profile"))
     progress = chat.stream and progress_requested(chat.include_progress)
-    room = engine.config.max_batch + engine.config.max_waiting
+    room = state.models.config.max_batch + state.models.config.max_waiting
     if chat.n > room:
         raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
     rid = request_id()
-    stack, streams = await open_choices(state, chat.per_choice(), rid, profile=profile, progress=progress)
+    stack, _, streams = await open_model_choices(state, model_choice(body), chat.per_choice(), rid,
+                                                 profile=profile, progress=progress)
     downgraded = any(s.grammar_downgraded for s in streams)
     headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
     if not chat.stream:

@@ -39,7 +39,7 @@ from afm_core.api import completions as api
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import progress_requested, read_json, request_id
+from .._request import model_choice, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -48,7 +48,7 @@ from .._streaming import (
     Keepalive,
     aclose_shielded,
     next_batches,
-    open_choices,
+    open_model_choices,
 )
 
 __all__ = ["register"]
@@ -62,15 +62,16 @@ def register(app: AFMQuart) -> None:
 
 async def text_completions() -> Response:
     state = current_state()
-    engine = state.engine
-    call = api.parse(await read_json())
-    room = engine.config.max_batch + engine.config.max_waiting
+    body = await read_json()
+    call = api.parse(body)
+    room = state.models.config.max_batch + state.models.config.max_waiting
     if call.choices > room:
         raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
                            param="prompt")
     progress = call.stream and progress_requested(call.include_progress)
     rid = request_id()
-    stack, streams = await open_choices(state, call.requests, rid, progress=progress)
+    stack, engine, streams = await open_model_choices(state, model_choice(body), call.requests, rid,
+                                                      progress=progress)
     try:
         echo = await _echo_texts(engine, call) if call.echo else ()
     except BaseException:

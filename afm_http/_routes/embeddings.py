@@ -13,13 +13,15 @@ model without a transformer body (the echo test model) is a 400 too.
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
 from quart import Response
 
 from afm_core.api import embeddings as api
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json
+from .._request import model_choice, read_json
 from .._state import current_state
 
 __all__ = ["register"]
@@ -30,8 +32,13 @@ def register(app: AFMQuart) -> None:
 
 
 async def create_embeddings() -> Response:
-    engine = current_state().embedding_engine
-    call = api.parse(await read_json())
-    result = await engine.embed(call.inputs)
+    state = current_state()
+    body = await read_json()
+    call = api.parse(body)
+    async with AsyncExitStack() as stack:
+        engine = state.embedder
+        if engine is None:
+            engine = await stack.enter_async_context(state.engine_for(model_choice(body)))
+        result = await engine.embed(call.inputs)
     return json_response(api.response(call, result.vectors, model=call.model or engine.model_id,
                                       prompt_tokens=result.prompt_tokens))

@@ -4,7 +4,11 @@
 balancer checks: 200 when ready; 503 with ``"status": "unavailable"`` (and
 the reason in ``"error"``) if the generation thread died (or, under
 ``--distributed``, lost another rank), or ``"status": "draining"`` (and the drain's reason
-and time left) while the replica drains.  ``GET /metrics`` is Prometheus text.
+and time left) while the replica drains.  With several models, ``"models"`` gives
+each one's state; a model not loaded (it loads on first use) leaves the server
+ready, and the counts add up every loaded model's (with one model the
+answer is as it always was, without ``"models"``).  ``GET /metrics`` is
+Prometheus text (per-model load state, loads, unloads and load seconds too).
 
 ``POST /admin/drain`` (body optional: ``{"timeout": S}``, default
 ``--drain-timeout``) begins a drain (:mod:`afm_http._drain`) and answers with
@@ -41,28 +45,36 @@ def register(app: AFMQuart) -> None:
 
 async def health() -> Response:
     state = current_state()
-    engine = state.engine
-    stats = engine.statistics()
+    served = [e.statistics() for e in state.models.engines()]
     failure = next((e.failure for e in state.engines if e.failure is not None), None)
     ok = failure is None
     drain = state.draining.status()
     info = runtime_info()
     status = "unavailable" if not ok else "draining" if drain is not None else "ok"
-    return json_response({"status": status, "model": engine.model_id,
-                          "running": stats.running, "waiting": stats.waiting,
-                          "requests_active": stats.requests_active, "inflight": len(state.inflight),
+    several = {"models": {row.id: row.state for row, _ in state.models.rows()}} \
+        if state.models.strict else {}
+    return json_response({"status": status, "model": state.models.default_id,
+                          "running": sum(s.running for s in served),
+                          "waiting": sum(s.waiting for s in served),
+                          "requests_active": sum(s.requests_active for s in served),
+                          "inflight": len(state.inflight),
                           "draining": None if drain is None else drain.to_dict(),
                           "error": failure,
                           "blas": info.blas, "quantized_kernel": info.quantized_kernel,
-                          "compiled": info.compiled},
+                          "compiled": info.compiled, **several},
                          status=200 if status == "ok" else 503)
 
 
 async def metrics() -> Response:
     state = current_state()
-    engines = [(e.statistics(), e.model_id) for e in state.engines]
+    rows = list(state.models.rows())
+    engines = [(e.statistics(), row.id) for row, e in rows if e is not None]
+    if state.embedder is not None:
+        engines.append((state.embedder.statistics(), state.embedder.model_id))
+    models = [row for row, _ in rows]
     text = _metrics.render(engines, dict(state.statuses), draining=state.draining.active,
-                           inflight=len(state.inflight))
+                           inflight=len(state.inflight), models=models,
+                           max_loaded_bytes=state.models.table.max_bytes)
     return Response(text, content_type=_metrics.CONTENT_TYPE)
 
 

@@ -33,13 +33,13 @@ from afm_core.api import anthropic
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import progress_requested, read_json, request_id
+from .._request import model_choice, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     STREAM_HEADERS,
     Keepalive,
     aclose_shielded,
-    held_stack,
+    held_engine,
     keepalive_batches,
 )
 
@@ -55,10 +55,10 @@ def register(app: AFMQuart) -> None:
 
 async def create_message() -> Response:
     state = current_state()
-    engine = state.engine
-    req = anthropic.parse_request(await read_json())
+    body = await read_json()
+    req = anthropic.parse_request(body)
     rid = request_id()
-    stack = held_stack(state, rid)
+    stack, engine = await held_engine(state, model_choice(body), rid)
     stream = await _open(engine, stack, req.chat, rid, progress=req.stream and progress_requested())
     writer = anthropic.MessageStream(
         model=req.model, input_tokens=stream.prompt_tokens, stop_sequences=req.stop_sequences,
@@ -77,8 +77,10 @@ async def create_message() -> Response:
 
 
 async def count_message_tokens() -> Response:
-    chat = anthropic.parse_count_tokens(await read_json())
-    ids = await current_state().engine.tokenize_chat(chat)
+    body = await read_json()
+    chat = anthropic.parse_count_tokens(body)
+    async with current_state().engine_for(model_choice(body)) as engine:
+        ids = await engine.tokenize_chat(chat)
     return json_response(anthropic.count_tokens_result(len(ids)))
 
 

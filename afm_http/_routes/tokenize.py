@@ -18,7 +18,7 @@ from afm_core.api import tokenize as api
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import read_json
+from .._request import model_choice, read_json
 from .._state import current_state
 
 __all__ = ["register"]
@@ -31,24 +31,29 @@ def register(app: AFMQuart) -> None:
 
 
 async def tokenize_text() -> Response:
-    engine = current_state().engine
-    call = api.parse_tokenize(await read_json())
-    if call.chat is not None:
-        ids = await engine.tokenize_chat(call.chat)
-    else:
-        assert call.content is not None
-        ids = await engine.tokenize(call.content, add_special_tokens=call.add_special,
-                                    parse_special=call.parse_special)
-    pieces = await engine.token_pieces(ids) if call.with_pieces else None
+    body = await read_json()
+    call = api.parse_tokenize(body)
+    async with current_state().engine_for(model_choice(body)) as engine:
+        if call.chat is not None:
+            ids = await engine.tokenize_chat(call.chat)
+        else:
+            assert call.content is not None
+            ids = await engine.tokenize(call.content, add_special_tokens=call.add_special,
+                                        parse_special=call.parse_special)
+        pieces = await engine.token_pieces(ids) if call.with_pieces else None
     return json_response(api.tokens_result(ids, pieces))
 
 
 async def detokenize_tokens() -> Response:
-    tokens = api.parse_detokenize(await read_json())
-    return json_response({"content": await current_state().engine.detokenize(tokens)})
+    body = await read_json()
+    tokens = api.parse_detokenize(body)
+    async with current_state().engine_for(model_choice(body)) as engine:
+        return json_response({"content": await engine.detokenize(tokens)})
 
 
 async def count_chat_tokens() -> Response:
-    chat = ChatRequest.from_openai(await read_json())
-    ids = await current_state().engine.tokenize_chat(chat)
+    body = await read_json()
+    chat = ChatRequest.from_openai(body)
+    async with current_state().engine_for(model_choice(body)) as engine:
+        ids = await engine.tokenize_chat(chat)
     return json_response({"input_tokens": len(ids)})
