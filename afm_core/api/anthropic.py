@@ -13,7 +13,7 @@ engine's events::
                            stop_sequences=request.stop_sequences)
     out = writer.start()                   # message_start, ping
     for batch in engine batches:
-        out = writer.feed_many(batch)      # content_block_* / message_delta / message_stop
+        out = writer.feed_many(batch)      # content_block_* / message_delta / [afm_profile] / message_stop
         if writer.stop_requested: engine.cancel(request_id)
     out = writer.close()                   # end of the engine stream
     writer.encode(out)                     # SSE bytes: b"event: NAME\\ndata: {...}\\n\\n"
@@ -54,6 +54,17 @@ What maps to what:
   ``cache_read_input_tokens`` (the engine's prefix-cache hits), as Anthropic
   counts them; ``output_tokens`` is every generated token.
 
+A stream opened with a profile (the ``X-AFM-Profile`` header: the engine's
+one :class:`Profile` event, after its usage) is told so with
+``MessageStream(profile=True)``: ``message_stop`` waits for the profile, and
+between ``message_delta`` and ``message_stop`` comes an ``afm_profile``
+event, ``{"type": "afm_profile", "afm_profile": {...}}`` (or
+``"afm_profile_extended"``: the same object as chat's ``afm_profile*``).
+The SDK passes unknown event types through (its stream helpers skip them);
+the non-streaming :meth:`MessageStream.message` carries the object as a
+top-level ``afm_profile`` (or ``afm_profile_extended``) field, which the
+SDK's ``Message`` keeps as an extra field.  No profile follows a failure.
+
 A stream opened with ``progress=True`` (the ``X-AFM-Progress: true`` header)
 also carries ``prompt_progress`` events (``{"type": "prompt_progress",
 "prompt_progress": {total, cache, processed, time_ms}}``) while the prompt is
@@ -82,6 +93,7 @@ from .._errors import AFMError, EngineBusyError, GenerationError
 from .._stream.events import (
     ContentDelta,
     Finish,
+    Profile,
     PromptProgress,
     ReasoningDelta,
     StreamFailure,
@@ -187,7 +199,7 @@ class MessageStream:
 
     def __init__(self, *, model: str, input_tokens: int = 0, id: str | None = None,
                  stop_sequences: Sequence[str] = (), context_length: int | None = None,
-                 show_thinking: bool = True) -> None:
+                 show_thinking: bool = True, profile: bool = False) -> None:
         self.id = id or new_message_id()
         self.model = model
         self.input_tokens = input_tokens
@@ -211,6 +223,10 @@ class MessageStream:
         """The error body, if the stream failed."""
         self.ended = False
         """``message_stop`` or an error was emitted: nothing follows."""
+        self._expect_profile = profile  # message_stop waits for the engine's profile
+        self.profile: Profile | None = None
+        """The engine's profile, once it arrived."""
+        self._delta_sent = False  # message_delta was emitted
 
     # -- the engine's side -------------------------------------------------------
 
@@ -234,6 +250,12 @@ class MessageStream:
     def feed(self, event: object) -> list[dict[str, Any]]:
         """The Anthropic events for one engine event."""
         out: list[dict[str, Any]] = []
+        if type(event) is Profile:
+            if not self.ended:  # (after message_stop, or an error, it has no place)
+                self.profile = event
+                if self._delta_sent:
+                    self._end(out)  # the held message_stop
+            return out
         if self.ended:
             return out
         answering = self.stop_sequence is None and self.finish_reason is None
@@ -257,6 +279,8 @@ class MessageStream:
                     if self._usage is not None:
                         self._end(out)
             case Usage():
+                if self._delta_sent:
+                    return out  # a second usage changes nothing already sent
                 self._usage = event
                 if self.finish_reason is not None:
                     self._end(out)
@@ -264,7 +288,7 @@ class MessageStream:
                 out.extend(self.fail(message, type=kind))
             case PromptProgress():
                 out.append({"type": "prompt_progress", "prompt_progress": event.to_dict()})
-        return out  # logprobs and profiles have no Anthropic form
+        return out  # logprobs have no Anthropic form
 
     def feed_many(self, events: Iterable[object]) -> list[dict[str, Any]]:
         """The events for one engine step; consecutive deltas of one block are merged."""
@@ -283,6 +307,7 @@ class MessageStream:
             return out
         if self.finish_reason is None:
             return self.fail("the stream ended before it finished")
+        self._expect_profile = False  # none came: message_stop without it
         self._end(out)
         return out
 
@@ -312,9 +337,13 @@ class MessageStream:
             if block["type"] == TOOL:
                 block["input"] = _tool_input("".join(self._args.get(i, ())))
             content.append(block)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
-                "usage": self._usage_dict()}
+        out: dict[str, Any] = {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
+            "usage": self._usage_dict()}
+        if self.profile is not None:
+            out[self.profile.key] = self.profile.payload
+        return out
 
     # -- internals -----------------------------------------------------------------
 
@@ -341,10 +370,18 @@ class MessageStream:
         return "end_turn"  # stop, and cancelled: the turn ended, with what was generated
 
     def _end(self, out: list[dict[str, Any]]) -> None:
-        self.stop_reason = self._stop_reason()
-        out.append({"type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                    "usage": self._usage_dict()})
+        """``message_delta`` (once), then the profile (when there is one) and
+        ``message_stop``; with a profile expected and not here yet, the stop waits."""
+        if not self._delta_sent:
+            self._delta_sent = True
+            self.stop_reason = self._stop_reason()
+            out.append({"type": "message_delta",
+                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                        "usage": self._usage_dict()})
+        if self.profile is None and self._expect_profile:
+            return
+        if self.profile is not None:
+            out.append({"type": "afm_profile", self.profile.key: self.profile.payload})
         out.append({"type": "message_stop"})
         self.ended = True
 

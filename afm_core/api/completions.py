@@ -26,6 +26,10 @@ both forms say the same thing.  The chunks:
   ``length`` or ``cancelled``;
 * once every choice finished, a usage chunk (``choices`` empty, ``usage``)
   when asked (``stream_options.include_usage``; always for :func:`collect`);
+* then, when the stream was opened with a profile (the ``X-AFM-Profile``
+  header: choice 0's), the engine's one profile as chat's is,
+  ``{"afm_profile": {...}}`` or ``{"afm_profile_extended": {...}}`` (no
+  ``choices``); :func:`collect` keeps it as a top-level field;
 * a failure ends the response with an error chunk (``choices`` empty,
   ``error``): nothing of any choice follows it.
 
@@ -55,6 +59,7 @@ from .._stream.events import (
     Event,
     Finish,
     LogprobsDelta,
+    Profile,
     PromptProgress,
     StreamFailure,
     TokenLogprob,
@@ -80,6 +85,7 @@ __all__ = [
 MAX_CHOICES = 1024
 """Choices (prompts times ``n``) one body may ask for; a server may allow fewer."""
 OBJECT = "text_completion"
+PROFILE_KEYS = ("afm_profile", "afm_profile_extended")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +206,7 @@ class CompletionWriter:
         self._choices = [_Choice(i) for i in range(call.choices)]
         self._open = call.choices
         self._head: dict[str, Any] = {"id": id, "object": OBJECT, "created": created, "model": model}
+        self._profiles: list[Profile] = []  # held for the end (after the usage)
         self.error: dict[str, Any] | None = None
         """The first failure's error object, once a choice failed."""
 
@@ -306,6 +313,8 @@ class CompletionWriter:
                 out.append(self._chunk(index, "", None, event.reason))
             elif isinstance(event, Usage):
                 state.usage = event
+                # the profile rides after the usage, in the same batch: kept for the end
+                self._profiles += [e for e in items[i:] if isinstance(e, Profile)]
                 self._close(state, out)
                 break
             elif isinstance(event, StreamFailure):
@@ -315,13 +324,17 @@ class CompletionWriter:
                 out.append(self._error_chunk(event))
                 self._close(state, out)
                 break
-            # reasoning, tool-call and profile events do not occur for raw prompts
+            elif isinstance(event, Profile):  # before its usage (not the engine's order)
+                self._profiles.append(event)
+            # reasoning and tool-call events do not occur for raw prompts
         return out
 
     def _close(self, state: _Choice, out: list[dict[str, Any]]) -> None:
         self._open -= 1
-        if self._open == 0 and self._usage and self.error is None:
-            out.append(self.usage_chunk())
+        if self._open == 0 and self.error is None:
+            if self._usage:
+                out.append(self.usage_chunk())
+            out += [{p.key: p.payload} for p in self._profiles]  # after the usage, as chat's
 
     def usage_chunk(self) -> dict[str, Any]:
         """The usage of every choice so far: each prompt counted once."""
@@ -355,9 +368,13 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
     head: dict[str, Any] | None = None
     choices: dict[int, dict[str, Any]] = {}
     usage = None
+    profiles: dict[str, Any] = {}
     for chunk in chunks:
         if "error" in chunk:
             raise StreamErrorChunk(chunk["error"])
+        if "choices" not in chunk:  # a profile object (no choices): a top-level field
+            profiles.update((k, v) for k, v in chunk.items() if k in PROFILE_KEYS)
+            continue
         if head is None:
             head = {k: chunk[k] for k in ("id", "object", "created", "model")}
         if chunk.get("usage") is not None:
@@ -380,4 +397,5 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
     result = dict(head)
     result["choices"] = [choices[i] for i in sorted(choices)]
     result["usage"] = usage
+    result.update(profiles)
     return result

@@ -9,7 +9,8 @@ Responses streaming events and the final Response object::
     call = responses.parse(body, previous=store.get)     # raises RequestError
     # one engine stream per choice: call.chat.per_choice() (call.n of them)
     writer = responses.ResponseWriter(call, id=responses.new_id("resp"),
-                                      created_at=stream.created, model=stream.model)
+                                      created_at=stream.created, model=stream.model,
+                                      profile=profiled)          # X-AFM-Profile asked
     sse = responses.encode(writer.start())
     for each engine step, for each choice i that had a batch:
         sse = responses.encode(writer.feed(batch, i))    # writer.close(i) at its stream's end
@@ -95,6 +96,18 @@ also carries ``response.prompt_progress`` events (``prompt_progress``:
 ``total``, ``cache``, ``processed``, ``time_ms``) after ``response.in_progress``,
 while the prompt is prefilled (with ``n`` > 1, the first choice's).
 
+A stream opened with a profile (the ``X-AFM-Profile`` header: the engine's
+one :class:`~afm_core.Profile` event, choice 0's, after its usage) is told so
+with ``ResponseWriter(..., profile=True)``: the terminal event waits for the
+profile, and just before it comes an ``afm.profile`` event (``{"type":
+"afm.profile", "afm_profile": {...}, "sequence_number": n}``, or
+``"afm_profile_extended"``: the same object as chat's ``afm_profile*``).
+From then on the Response object carries it as a top-level ``afm_profile``
+(or ``afm_profile_extended``) field: the terminal event's ``response``, the
+non-streaming answer and a stored response.  The SDK passes the unknown
+event type through, and its ``responses.stream`` helper skips it; the SDK's
+``Response`` keeps the extra field.  No profile follows a failure.
+
 Usage: ``input_tokens`` (``input_tokens_details.cached_tokens``: the prefix
 cache's), counted once (the first choice's), ``output_tokens`` summed over the
 choices, ``total_tokens``; ``output_tokens_details.reasoning_tokens`` sums what
@@ -121,6 +134,7 @@ from .._stream.events import (
     Event,
     Finish,
     LogprobsDelta,
+    Profile,
     PromptProgress,
     ReasoningDelta,
     StreamFailure,
@@ -238,13 +252,15 @@ class ResponseWriter:
     finish fails the response); the terminal event comes once every choice
     ended, or from :meth:`end` (every stream ended), :meth:`fail` (an error
     outside the streams) or :meth:`abort` (the client left: status
-    ``cancelled``, no event needed).  :attr:`response` is the Response
+    ``cancelled``, no event needed).  With ``profile`` (the stream was opened
+    with one), the terminal event waits for the engine's ``Profile`` and
+    follows an ``afm.profile`` event.  :attr:`response` is the Response
     object at any moment.
     """
 
     def __init__(self, call: ResponsesCall, *, id: str, created_at: float, model: str,
                  clock: Callable[[], float] = time.time,
-                 ids: Callable[[str], str] = new_id) -> None:
+                 ids: Callable[[str], str] = new_id, profile: bool = False) -> None:
         self.call = call
         self.id = id
         self.created_at = created_at
@@ -259,6 +275,10 @@ class ResponseWriter:
         self.error: dict[str, Any] | None = None
         self.incomplete_details: dict[str, Any] | None = None
         self.completed_at: float | None = None
+        self.profile: Profile | None = None
+        """The engine's profile (choice 0's), once it arrived."""
+        self._expect_profile = profile  # the terminal event waits for it
+        self._held = False  # every choice ended; the terminal event waits for the profile
 
     # -- state ---------------------------------------------------------------------
 
@@ -297,6 +317,8 @@ class ResponseWriter:
         out.update(self.call.settings)
         out["usage"] = self._usage_dict()
         out["completed_at"] = self.completed_at
+        if self.profile is not None and self.status != "failed":
+            out[self.profile.key] = self.profile.payload
         return out
 
     def stored(self) -> StoredResponse:
@@ -340,8 +362,6 @@ class ResponseWriter:
         """The Responses events for choice ``choice``'s next engine events."""
         out = self.start()
         ch = self._choices[choice]
-        if self.done or ch.ended:
-            return out
         # a token's LogprobsDelta follows the events its text made: a text delta
         # (it joins it), reasoning or tool-call markup (dropped) or nothing yet
         # (held back: it joins the next text delta)
@@ -349,6 +369,11 @@ class ResponseWriter:
         prev: type | None = None
         for event in events:
             kind = type(event)
+            if kind is Profile:  # after the usage (the choice has ended)
+                out += self._profile(event)  # type: ignore[arg-type]
+                continue
+            if self.done or ch.ended:
+                continue  # nothing else follows a choice's end, or the response's
             if kind is ContentDelta:
                 last = self._content(ch, event.text, out) or last  # type: ignore[union-attr]
             elif kind is LogprobsDelta:
@@ -366,10 +391,8 @@ class ResponseWriter:
                 ch.usage = event  # type: ignore[assignment]
                 if ch.finish is not None:
                     out += self._end_choice(ch)
-                    break
             elif kind is StreamFailure:
                 out += self.fail(event.message, type=event.type)  # type: ignore[union-attr]
-                break
             elif kind is PromptProgress:
                 self._event(out, "response.prompt_progress", prompt_progress=event.to_dict())  # type: ignore[union-attr]
                 continue  # not a token: the logprobs pairing is unchanged
@@ -381,8 +404,10 @@ class ResponseWriter:
         finish without usage) or, without a finish, fail the response."""
         out = self.start()
         ch = self._choices[choice]
-        if self.done or ch.ended:
+        if self.done:
             return out
+        if ch.ended:
+            return out + self._release()  # a profile that never came: the terminal event now
         if ch.finish is not None:
             return out + self._end_choice(ch)
         return out + self.fail("the stream ended before it finished")
@@ -404,6 +429,20 @@ class ResponseWriter:
         self.error = {"code": "server_error", "message": message, "type": type}
         self._event(out, "response.failed", response=self.response)
         return out
+
+    def _profile(self, event: Profile) -> list[dict[str, Any]]:
+        """Keep the profile (for the end); it releases a terminal event waiting for it."""
+        if self.status == "failed" or self.profile is not None:
+            return []
+        self.profile = event
+        return self._release()
+
+    def _release(self) -> list[dict[str, Any]]:
+        """The end, if it was waiting for the profile."""
+        if not self._held:
+            return []
+        self._held = False
+        return self._finale()
 
     def abort(self) -> None:
         """The client left before the end: status ``cancelled``, nothing to send."""
@@ -520,8 +559,19 @@ class ResponseWriter:
         else:
             self._close_all("incomplete", out, ch.items)
         if all(c.ended for c in self._choices):
-            out += self._terminal()
+            if self._expect_profile and self.profile is None:
+                self._held = True  # the profile comes after the usage: the terminal waits for it
+            else:
+                out += self._finale()
         return out
+
+    def _finale(self) -> list[dict[str, Any]]:
+        """Every choice ended: the ``afm.profile`` event (when there is a profile), then
+        the terminal event."""
+        out: list[dict[str, Any]] = []
+        if self.profile is not None:
+            self._event(out, "afm.profile", **{self.profile.key: self.profile.payload})
+        return out + self._terminal()
 
     def _terminal(self) -> list[dict[str, Any]]:
         """Every choice ended: ``completed`` if each completed, else ``incomplete``
