@@ -18,11 +18,19 @@ from ._registry import ModelChoice
 from ._residency import parse_keep_alive
 from ._state import current_state
 
-__all__ = ["PROGRESS_HEADER", "body_was_read", "model_choice", "progress_requested", "read_json",
-           "request_id", "request_id_or_none", "sent_a_body", "set_request_id"]
+__all__ = ["PROFILE_HEADER", "PROFILE_MODES", "PROGRESS_HEADER", "body_was_read", "model_choice",
+           "profile_mode", "profile_requested", "progress_requested", "read_json", "request_id",
+           "request_id_or_none", "sent_a_body", "set_request_id"]
 
 PROGRESS_HEADER = "X-AFM-Progress"
 """``true`` asks a streamed response of any wire API for prompt-progress events."""
+
+PROFILE_HEADER = "X-AFM-Profile"
+"""``true`` or ``extended`` asks any generating wire API for the engine's profile
+(each API carries it in its own form)."""
+PROFILE_MODES = {"true": "basic", "1": "basic", "basic": "basic", "extended": "extended"}
+"""Header value -> the engine's ``profile`` mode."""
+PROFILE_OFF = ("", "false", "0", "off", "none")
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("", "false", "0", "no", "off")
@@ -95,3 +103,20 @@ def progress_requested(opted_in: bool = False) -> bool:
         raise RequestError(f"{PROGRESS_HEADER} must be 'true' or 'false'", param=PROGRESS_HEADER,
                            code="invalid_header")
     return opted_in or v in _TRUE
+
+
+def profile_mode(value: str | None) -> str | None:
+    """The engine's ``profile`` mode (``basic`` / ``extended``) for an
+    ``X-AFM-Profile`` value, None for none; any other value is a 400."""
+    if value is None or value.strip().lower() in PROFILE_OFF:
+        return None
+    mode = PROFILE_MODES.get(value.strip().lower())
+    if mode is None:
+        raise RequestError(f"{PROFILE_HEADER} must be 'true' or 'extended'", param=PROFILE_HEADER,
+                           code="invalid_header")
+    return mode
+
+
+def profile_requested() -> str | None:
+    """The current request's :func:`profile_mode` (its ``X-AFM-Profile`` header)."""
+    return profile_mode(request.headers.get(PROFILE_HEADER))

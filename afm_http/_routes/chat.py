@@ -37,7 +37,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Response
 
 from afm_core import (
     AFMError,
@@ -53,7 +53,7 @@ from afm_core import (
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import model_choice, progress_requested, read_json, request_id
+from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -69,9 +69,6 @@ __all__ = ["register"]
 
 log = logging.getLogger("afm.http")
 
-PROFILE_MODES = {"true": "basic", "1": "basic", "basic": "basic", "extended": "extended"}
-PROFILE_OFF = ("", "false", "0", "off", "none")
-
 INTERRUPTED = StreamFailure("the stream ended before it finished", code="stream_interrupted")
 """A choice whose stream the engine closed without a finish (shutdown)."""
 
@@ -84,7 +81,7 @@ async def chat_completions() -> Response:
     state = current_state()
     body = await read_json()
     chat = ChatRequest.from_openai(body)
-    profile = _profile_mode(request.headers.get("X-AFM-Profile"))
+    profile = profile_requested()
     progress = chat.stream and progress_requested(chat.include_progress)
     room = state.models.config.max_batch + state.models.config.max_waiting
     if chat.n > room:
@@ -102,16 +99,6 @@ async def chat_completions() -> Response:
                      keepalive=state.config.keepalive_seconds)
     return Response(body, status=200, content_type="text/event-stream",
                     headers={**headers, **STREAM_HEADERS})
-
-
-def _profile_mode(value: str | None) -> str | None:
-    if value is None or value.strip().lower() in PROFILE_OFF:
-        return None
-    mode = PROFILE_MODES.get(value.strip().lower())
-    if mode is None:
-        raise RequestError("X-AFM-Profile must be 'true' or 'extended'", param="X-AFM-Profile",
-                           code="invalid_header")
-    return mode
 
 
 # -- non-streaming -----------------------------------------------------------------

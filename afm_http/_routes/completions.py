@@ -5,7 +5,10 @@ engine request per choice (a list of prompts, or ``n`` > 1, gives several);
 each runs as its own engine stream, all at once, under the client's request
 id (the first stream's id, the others ``<id>/<i>`` in its group), so the
 chat cancel route, ``POST /v1/chat/completions/{id}/cancel``, ends every
-choice with ``finish_reason: "cancelled"``.  The translation's writer turns
+choice with ``finish_reason: "cancelled"``.  ``X-AFM-Profile`` profiles choice
+0 as chat's does: its ``afm_profile`` (or ``afm_profile_extended``) object
+comes after the usage, before ``[DONE]``, and is a top-level field of the
+non-streaming answer.  The translation's writer turns
 the streams' events into ``text_completion`` chunks: one write per engine
 step (the SSE comment ``: keepalive`` while the engine is silent,
 ``ServerConfig.keepalive_seconds``), then ``data: [DONE]``; the non-streaming
@@ -39,7 +42,7 @@ from afm_core.api import completions as api
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import model_choice, progress_requested, read_json, request_id
+from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -68,10 +71,11 @@ async def text_completions() -> Response:
     if call.choices > room:
         raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
                            param="prompt")
+    profile = profile_requested()
     progress = call.stream and progress_requested(call.include_progress)
     rid = request_id()
     stack, engine, streams = await open_model_choices(state, model_choice(body), call.requests, rid,
-                                                      progress=progress)
+                                                      profile=profile, progress=progress)
     try:
         echo = await _echo_texts(engine, call) if call.echo else ()
     except BaseException:

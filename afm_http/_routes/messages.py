@@ -8,7 +8,10 @@ registry, one write per engine step, ``close_when_done``) and writes
 first, a ``ping`` whenever the engine has been silent for
 ``ServerConfig.keepalive_seconds`` (queued, or a long prefill; 0: none), then the blocks, ``message_delta``
 and ``message_stop``.  A matched stop sequence cancels the engine request
-(the translation matches them; see its docstring).
+(the translation matches them; see its docstring).  ``X-AFM-Profile`` adds
+an ``afm_profile`` event between ``message_delta`` and ``message_stop``
+(``{"type": "afm_profile", "afm_profile": {...}}``, or
+``afm_profile_extended``), and a top-level field of the non-streaming message.
 
 ``max_tokens`` beyond what the context leaves after the prompt is served
 with the room there is (``stop_reason: "model_context_window_exceeded"``
@@ -33,7 +36,7 @@ from afm_core.api import anthropic
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import model_choice, progress_requested, read_json, request_id
+from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import current_state
 from .._streaming import (
     STREAM_HEADERS,
@@ -57,12 +60,15 @@ async def create_message() -> Response:
     state = current_state()
     body = await read_json()
     req = anthropic.parse_request(body)
+    profile = profile_requested()
+    progress = req.stream and progress_requested()
     rid = request_id()
     stack, engine = await held_engine(state, model_choice(body), rid)
-    stream = await _open(engine, stack, req.chat, rid, progress=req.stream and progress_requested())
+    stream = await _open(engine, stack, req.chat, rid, profile=profile, progress=progress)
     writer = anthropic.MessageStream(
         model=req.model, input_tokens=stream.prompt_tokens, stop_sequences=req.stop_sequences,
-        context_length=engine.context_length, show_thinking=req.show_thinking)
+        context_length=engine.context_length, show_thinking=req.show_thinking,
+        profile=profile is not None)
     headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
     if not req.stream:
         async with stack:
@@ -85,12 +91,13 @@ async def count_message_tokens() -> Response:
 
 
 async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: str, *,
-                progress: bool) -> ChatStream:
+                profile: str | None, progress: bool) -> ChatStream:
     """Enter ``engine.stream``; a ``max_tokens`` beyond the context's room becomes the room."""
     if chat.max_tokens is not None and chat.max_tokens >= engine.context_length:
         chat = dataclasses.replace(chat, max_tokens=None)  # never fits (Claude Code asks 32000+)
     try:
-        return await stack.enter_async_context(engine.stream(chat, request_id=rid, progress=progress))
+        return await stack.enter_async_context(engine.stream(chat, request_id=rid, profile=profile,
+                                                             progress=progress))
     except ContextLengthError as exc:
         if exc.param == "messages":
             tokens = len(await engine.tokenize_chat(chat))
@@ -98,7 +105,8 @@ async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: s
         if exc.param != "max_tokens":
             raise
     return await stack.enter_async_context(
-        engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid, progress=progress))
+        engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid, profile=profile,
+                      progress=progress))
 
 
 def _stop_if_asked(engine: Engine, writer: anthropic.MessageStream, rid: str) -> None:

@@ -19,7 +19,11 @@ request id, choice ``i`` as ``<id>/<i>`` in its group, the prompt prefilled
 once), so every cancel below ends them all; the steps of every choice are
 read together and written once per engine step, the writer interleaving their
 items by ``output_index``.  At most ``max_batch + max_waiting`` choices (a
-400 beyond).  Prompt progress (``X-AFM-Progress``) is choice 0's.
+400 beyond).  Prompt progress (``X-AFM-Progress``) is choice 0's, and so is
+the profile (``X-AFM-Profile``): an ``afm.profile`` event just before the
+terminal event, and an ``afm_profile`` (or ``afm_profile_extended``) field of
+the Response object from then on (the terminal event's, the non-streaming
+answer, a stored response).
 
 While it runs, a response is registered by its id (``resp_…``):
 ``POST /v1/responses/{id}/cancel`` cancels its engine request and answers
@@ -64,7 +68,7 @@ from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import progress_requested, read_json, request_id
+from .._request import profile_requested, progress_requested, read_json, request_id
 from .._state import AppState, LiveResponse, current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -102,13 +106,15 @@ async def responses_create() -> Response:
     room = engine.config.max_batch + engine.config.max_waiting
     if call.n > room:
         raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
-    rid = request_id()
+    profile = profile_requested()
     progress = call.stream and progress_requested()
+    rid = request_id()
     # closed when the request ends, even if no body runs
-    stack, streams = await open_choices(state, call.chat.per_choice(), rid, progress=progress)
+    stack, streams = await open_choices(state, call.chat.per_choice(), rid, profile=profile,
+                                        progress=progress)
     first = streams[0]
     writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=first.created,
-                                model=first.model)
+                                model=first.model, profile=profile is not None)
     live = LiveResponse(rid, writer)
     state.responses_live[writer.id] = live
     stack.callback(_settle, state, live)  # runs before the engine streams are left

@@ -28,7 +28,7 @@ from afm_http._ids import MAX_ID_LENGTH, client_request_id, mint_request_id, val
 from afm_http._json import dumps
 from afm_http._metrics import escape_label, render
 from afm_http._middleware import _authorized
-from afm_http._routes.chat import _profile_mode
+from afm_http._request import profile_mode
 from afm_http._serve_cli import describe_blas
 
 
@@ -90,10 +90,14 @@ def test_authorization() -> None:
 
 
 def test_profile_header() -> None:
-    assert [_profile_mode(v) for v in (None, "", "false", "0", "true", "TRUE", "1", "extended")] == \
-        [None, None, None, None, "basic", "basic", "basic", "extended"]
-    with pytest.raises(RequestError):
-        _profile_mode("yes please")
+    assert [profile_mode(v) for v in (None, "", "false", "0", "true", "TRUE", "1", "extended",
+                                      " Extended ", "basic", "off", "none")] == \
+        [None, None, None, None, "basic", "basic", "basic", "extended", "extended", "basic", None, None]
+    for bad in ("yes please", "2", "extended,true"):
+        with pytest.raises(RequestError) as info:
+            profile_mode(bad)
+        assert info.value.status == 400 and info.value.param == "X-AFM-Profile"
+        assert info.value.code == "invalid_header"
 
 
 async def test_error_mapping() -> None:
