@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 import trio
 from quart import current_app
 
-from afm_core import Engine, EngineClosedError
+from afm_core import Engine
 from afm_core.api.responses import ResponseWriter
 from afm_core.api.responses_store import DEFAULT_MAX_AGE, DEFAULT_MAX_RESPONSES, ResponseStore
 
@@ -98,14 +98,6 @@ class AppState:
         if choice is None:
             return self.models.use()
         return self.models.use(choice.model, choice.keep_alive)
-
-    @property
-    def engine(self) -> Engine:
-        """The default model's engine if it is loaded (the routes not yet choosing a model)."""
-        engine = self.models.engine_of(self.models.default_id)
-        if engine is None:
-            raise EngineClosedError("the model is not loaded")
-        return engine
 
     @property
     def engines(self) -> tuple[Engine, ...]:

@@ -38,8 +38,7 @@ from ._registry import ModelChoice
 from ._state import AppState
 
 __all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded",
-           "held_engine", "held_stack", "keepalive_batches", "next_batches", "open_choices",
-           "open_model_choices"]
+           "held_engine", "held_stack", "keepalive_batches", "next_batches", "open_model_choices"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -113,14 +112,6 @@ async def open_model_choices(state: AppState, choice: ModelChoice | None,
         raise
     return stack, engine, streams
 
-
-async def open_choices(state: AppState, requests: Iterable[ChatRequest | CompletionRequest],
-                       request_id: str, *, profile: str | None = None,
-                       progress: bool = False) -> tuple[AsyncExitStack, list[ChatStream]]:
-    """:func:`open_model_choices` on the default model."""
-    stack, _, streams = await open_model_choices(state, None, requests, request_id, profile=profile,
-                                                 progress=progress)
-    return stack, streams
 
 
 async def next_batches(streams: Sequence[ChatStream], live: Collection[int],

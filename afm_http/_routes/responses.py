@@ -14,7 +14,8 @@ Response object.  When a choice's finish arrives, its reasoning text is
 re-tokenized for ``usage.output_tokens_details.reasoning_tokens``.
 
 ``n`` > 1 (afm's extension) runs each choice as its own engine stream, opened
-as chat's are (:func:`~afm_http._streaming.open_choices`: choice 0 under the
+as chat's are (:func:`~afm_http._streaming.open_model_choices`, on the
+model the body's ``model`` names: choice 0 under the
 request id, choice ``i`` as ``<id>/<i>`` in its group, the prompt prefilled
 once), so every cancel below ends them all; the steps of every choice are
 read together and written once per engine step, the writer interleaving their
@@ -68,7 +69,7 @@ from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart
 from .._json import json_response
-from .._request import profile_requested, progress_requested, read_json, request_id
+from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import AppState, LiveResponse, current_state
 from .._streaming import (
     KEEPALIVE_FRAME,
@@ -77,7 +78,7 @@ from .._streaming import (
     Keepalive,
     aclose_shielded,
     next_batches,
-    open_choices,
+    open_model_choices,
 )
 
 __all__ = ["register"]
@@ -101,17 +102,17 @@ def register(app: AFMQuart) -> None:
 
 async def responses_create() -> Response:
     state = current_state()
-    engine = state.engine
-    call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
-    room = engine.config.max_batch + engine.config.max_waiting
+    raw = await read_json()
+    call = api.parse(raw, previous=lambda rid: _previous(state, rid))
+    room = state.models.config.max_batch + state.models.config.max_waiting
     if call.n > room:
         raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
     profile = profile_requested()
     progress = call.stream and progress_requested()
     rid = request_id()
     # closed when the request ends, even if no body runs
-    stack, streams = await open_choices(state, call.chat.per_choice(), rid, profile=profile,
-                                        progress=progress)
+    stack, engine, streams = await open_model_choices(state, model_choice(raw), call.chat.per_choice(),
+                                                      rid, profile=profile, progress=progress)
     first = streams[0]
     writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=first.created,
                                 model=first.model, profile=profile is not None)
@@ -143,8 +144,10 @@ async def responses_input_tokens() -> Response:
     """``POST /v1/responses/input_tokens`` (the SDK's ``responses.input_tokens.count``):
     the prompt tokens a ``responses.create`` with this body would start from."""
     state = current_state()
-    call = api.parse(await read_json(), previous=lambda rid: _previous(state, rid))
-    ids = await state.engine.tokenize_chat(call.chat)
+    raw = await read_json()
+    call = api.parse(raw, previous=lambda rid: _previous(state, rid))
+    async with state.engine_for(model_choice(raw)) as engine:
+        ids = await engine.tokenize_chat(call.chat)
     return json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
@@ -274,7 +277,7 @@ async def responses_cancel(response_id: str) -> Response:
         if stored is None:
             raise _not_found(response_id)
         return json_response(stored.response)  # it already ended: unchanged
-    state.engine.cancel(live.request_id)
+    state.cancel(live.request_id)
     with trio.move_on_after(CANCEL_WAIT_SECONDS):
         await live.done.wait()
     return json_response(live.writer.response)

@@ -133,6 +133,10 @@ async def test_each_request_reaches_its_model_and_unknown_ones_are_404(models_di
         r = await c.post("/v1/messages", json={"model": "echo", "max_tokens": 32,
                                                "messages": [{"role": "user", "content": "hi anthropic"}]})
         assert r.status_code == 200 and r.json()["content"][0]["text"] == "hi anthropic"
+        response = await client.responses.create(model="echo", input="through the responses api")
+        assert response.output_text == "through the responses api" and response.model == "echo"
+        r = await c.post("/v1/responses/input_tokens", json={"model": "tiny-a", "input": "Hello"})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
         r = await c.post("/tokenize", json={"model": "tiny-a", "content": "Hello"})
         assert r.status_code == 200 and r.json()["tokens"]
         r = await c.post("/v1/chat/completions", json=chat(None, text))  # no model: the first one's
@@ -143,6 +147,8 @@ async def test_each_request_reaches_its_model_and_unknown_ones_are_404(models_di
         assert caught.value.code == "model_not_found" and caught.value.param == "model"
         for path, body in (("/v1/chat/completions", chat("nope", stream=True)),
                            ("/v1/completions", {"model": "nope", "prompt": "x"}),
+                           ("/v1/responses", {"model": "nope", "input": "x", "stream": True}),
+                           ("/v1/responses/input_tokens", {"model": "nope", "input": "x"}),
                            ("/v1/embeddings", {"model": "nope", "input": "x"}),
                            ("/v1/chat/completions/count_tokens", chat("nope"))):
             r = await c.post(path, json=body)
