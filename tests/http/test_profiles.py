@@ -240,7 +240,7 @@ async def test_responses_profile_through_the_openai_sdk(server) -> None:
     async with client.responses.stream(model="m", input="openai sdk profile", extra_headers=TRUE) as stream:
         events = [event async for event in stream]
         final = await stream.get_final_response()
-    kinds = [e.type for e in events]
+    kinds: list[str] = [e.type for e in events]
     assert kinds[-2:] == ["afm.profile", "response.completed"]
     assert final.output_text == "openai sdk profile" and final.status == "completed"
     assert final.usage is not None
@@ -259,7 +259,7 @@ async def test_responses_profile_through_the_openai_sdk(server) -> None:
     # n > 1 through the stream helper: choice 0's profile, the final response whole
     async with client.responses.stream(model="m", input="openai sdk profile", extra_body={"n": 2},
                                        extra_headers=TRUE) as stream:
-        kinds: list[str] = [event.type async for event in stream]
+        kinds = [event.type async for event in stream]
         final = await stream.get_final_response()
     assert kinds.count("afm.profile") == 1 and kinds[-2:] == ["afm.profile", "response.completed"]
     assert [(o.model_extra or {})["choice_index"] for o in final.output] == [0, 1]
