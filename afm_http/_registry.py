@@ -155,12 +155,15 @@ class ModelRegistry:
 
     def __init__(self, specs: Sequence[ModelSpec], *, config: EngineConfig | None = None,
                  keep_alive: float = FOREVER, max_loaded_bytes: int | None = None,
-                 strict: bool | None = None, opener: Opener | None = None) -> None:
+                 strict: bool | None = None, pinned: bool = False,
+                 opener: Opener | None = None) -> None:
         if not specs:
             raise ModelLoadError("no model to serve")
         self.config = config or EngineConfig()
         self.strict = len(specs) > 1 if strict is None else strict
         """Whether a request's ``model`` must name a served model (else any name means the default)."""
+        self.pinned = pinned
+        """Ignore the requests' ``keep_alive`` (one model without ``--keep-alive``: kept, as always)."""
         self.table = ModelTable(((s.id, s.size) for s in specs), keep_alive=keep_alive,
                                 max_bytes=max_loaded_bytes)
         self._slots = {s.id: _Slot(s) for s in specs}
@@ -175,7 +178,7 @@ class ModelRegistry:
     def serving(cls, engine: Engine) -> ModelRegistry:
         """A registry of one engine already open (``create_app(engine)``): loaded, kept."""
         registry = cls([ModelSpec(engine.model_id, str(engine.model_path),
-                                  weights_bytes(engine.model_path))], config=engine.config)
+                                  weights_bytes(engine.model_path))], config=engine.config, pinned=True)
         slot = registry._slots[registry.default_id]
         slot.engine = engine
         slot.context_length = engine.context_length
@@ -203,6 +206,8 @@ class ModelRegistry:
         ``keep_alive`` seconds (None: the registry's; :data:`FOREVER`: never)."""
         model_id = self.resolve(model)
         slot = self._slots[model_id]
+        if self.pinned:
+            keep_alive = None
         self.table.acquire(model_id, trio.current_time())
         try:
             yield await self._ready(slot)
@@ -386,12 +391,13 @@ class ModelRegistry:
 @asynccontextmanager
 async def open_models(specs: Sequence[ModelSpec], *, config: EngineConfig | None = None,
                       keep_alive: float = FOREVER, max_loaded_bytes: int | None = None,
-                      strict: bool | None = None, preload: Sequence[str] = (),
+                      strict: bool | None = None, pinned: bool = False, preload: Sequence[str] = (),
                       opener: Opener | None = None) -> AsyncIterator[ModelRegistry]:
     """A running :class:`ModelRegistry`, with the ``preload`` models loaded first;
     leaving the block closes every engine."""
     registry = ModelRegistry(specs, config=config, keep_alive=keep_alive,
-                             max_loaded_bytes=max_loaded_bytes, strict=strict, opener=opener)
+                             max_loaded_bytes=max_loaded_bytes, strict=strict, pinned=pinned,
+                             opener=opener)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         try:

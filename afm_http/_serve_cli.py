@@ -261,6 +261,7 @@ async def _main(args: argparse.Namespace) -> None:
 
     async with open_models(specs, config=_engine_config(args), keep_alive=keep_alive,
                            max_loaded_bytes=args.max_loaded_bytes, strict=several,
+                           pinned=not several and args.keep_alive is None,
                            preload=() if several else (specs[0].id,)) as models, \
             _embedding_engine(embedding_path, args) as embedder:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -42,8 +42,8 @@ async def running_server(model: str | Path | None, *, server: ServerConfig | Non
 @asynccontextmanager
 async def running_models(models: Sequence[str | Path | ModelSpec], *, server: ServerConfig | None = None,
                          keep_alive: float = FOREVER, max_loaded_bytes: int | None = None,
-                         strict: bool | None = None, preload: Sequence[str] = (),
-                         opener: Opener | None = None,
+                         strict: bool | None = None, pinned: bool = False,
+                         preload: Sequence[str] = (), opener: Opener | None = None,
                          **engine_config: Any) -> AsyncIterator[tuple[str, ModelRegistry]]:
     """``(base_url, registry)`` of a server on ``127.0.0.1:<free port>`` serving
     several models, as ``afm serve --model A --model B``: each loads on first
@@ -52,8 +52,8 @@ async def running_models(models: Sequence[str | Path | ModelSpec], *, server: Se
     model's :class:`EngineConfig`; ``opener`` replaces ``open_engine``."""
     specs = [m if isinstance(m, ModelSpec) else model_spec(m) for m in models]
     async with open_models(specs, config=EngineConfig(**engine_config), keep_alive=keep_alive,
-                           max_loaded_bytes=max_loaded_bytes, strict=strict, preload=preload,
-                           opener=opener) as registry, trio.open_nursery() as nursery:
+                           max_loaded_bytes=max_loaded_bytes, strict=strict, pinned=pinned,
+                           preload=preload, opener=opener) as registry, trio.open_nursery() as nursery:
         binds = await nursery.start(lambda task_status: serve_engine(
             registry, host="127.0.0.1", port=0, server=server or ServerConfig(), quiet=True,
             task_status=task_status))

@@ -168,6 +168,19 @@ async def test_each_request_reaches_its_model_and_unknown_ones_are_404(models_di
         await sdk.close()
 
 
+async def test_one_model_is_kept_and_answers_any_name(models_dir: Path) -> None:
+    """``afm serve --model M`` (no --keep-alive): loaded first, kept, any ``model`` accepted."""
+    async with running_models(m(models_dir, "echo"), pinned=True, preload=["echo"], warmup=False) \
+            as (url, registry), httpx.AsyncClient(base_url=url, timeout=WAIT) as c:
+        assert await states(c) == {"echo": "loaded"}
+        r = await c.post("/v1/chat/completions", json=chat("gpt-4o", "any name", keep_alive=0))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "any name"
+        assert r.json()["model"] == "gpt-4o"  # echoed, as before
+        row = registry.table["echo"]
+        assert row.state == "loaded" and row.expires is None  # keep_alive 0 ignored: kept
+        assert "models" not in (await c.get("/health")).json()
+
+
 async def test_keep_alive_unloads_idle_models_and_they_load_again(models_dir: Path) -> None:
     async with running_models(m(models_dir, "echo", "tiny-a"), keep_alive=0.3, warmup=False) as (url, _), \
             httpx.AsyncClient(base_url=url, timeout=WAIT) as c:
