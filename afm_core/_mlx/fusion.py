@@ -23,6 +23,13 @@ with mlx's layers to float rounding).
   :class:`_RopeKernels`, one trace per batch width and head count.  Prefill
   calls, whose lengths vary, keep mlx's own function.
 
+With afm's CPU extension built (``afm_core._mlx.qmm_ext``), float32 norms and
+decode rotary embeddings go one step further: each is one MLX operation
+(``ext/qmm/layer_ops.cpp``) instead of a cast, a square, a sum and a kernel
+for a norm, or a product, its reshapes and a kernel for a rotary embedding;
+``AFM_NO_LAYER_OPS=1`` keeps the compiled kernels
+(``tests/mlx/test_layer_ops.py`` checks both against mlx's layers).
+
 Only layers whose class is exactly ``nn.RMSNorm``, ``nn.RoPE``, ``nn.Linear``
 or ``nn.Embedding`` change;
 model-specific variants keep their own code.  The kernels are made per call,
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -76,8 +84,12 @@ class _FusedRMSNorm(nn.RMSNorm):
     _kernels: tuple[Kernel, Kernel]  # (one token per row, any shape)
 
     def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        ops = _layer_ops()
+        if ops is not None and x.dtype == mx.float32 and weight.dtype == mx.float32:
+            return ops.rms_norm(x, weight, self.eps)
         decode = x.ndim >= 3 and x.shape[1] == 1
-        return self._kernels[0 if decode else 1](x, self["weight"])
+        return self._kernels[0 if decode else 1](x, weight)
 
 
 class _FusedRoPE(nn.RoPE):
@@ -155,7 +167,33 @@ class _RopeKernels:
             angle = angle * freqs
             return (xf * mx.cos(angle) + (xf @ rotation) * mx.sin(angle)).astype(x.dtype)
 
-        return mx.compile(rope)
+        compiled = mx.compile(rope)
+        ops = _layer_ops()
+        if ops is None:
+            return compiled
+        dims, traditional = 2 * half, self.traditional
+
+        def one_operation(x: mx.array, offset: mx.array) -> mx.array:
+            if x.dtype == mx.float32 and offset.dtype in _ROPE_OFFSET_TYPES:
+                return ops.rope_decode(x, offset, freqs, dims, traditional)
+            return compiled(x, offset)
+
+        return one_operation
+
+
+_ROPE_OFFSET_TYPES = (mx.int32, mx.int64, mx.uint32, mx.float32)
+NO_LAYER_OPS_ENV = "AFM_NO_LAYER_OPS"
+
+
+def _layer_ops() -> Any:
+    """``afm_core._mlx.qmm_ext`` for its one-operation norm and decode rotary
+    embedding (``ext/qmm/layer_ops.cpp``), or None (not built, or
+    ``AFM_NO_LAYER_OPS=1``): then the compiled kernels above."""
+    from .qmatmul import extension
+
+    if os.environ.get(NO_LAYER_OPS_ENV, "") not in ("", "0"):
+        return None
+    return extension()
 
 
 def wants_fusion() -> bool:

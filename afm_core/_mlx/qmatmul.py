@@ -68,6 +68,9 @@ class _Extension(Protocol):
     def set_gemm_rows(self, n: int) -> None: ...
     def decode_attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
                          mask: mx.array | None = None) -> mx.array: ...
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array: ...
+    def rope_decode(self, x: mx.array, offset: mx.array, freqs: mx.array, dims: int,
+                    traditional: bool) -> mx.array: ...
 
 
 def _flag(name: str) -> bool:
@@ -97,7 +100,8 @@ _SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 def extension() -> _Extension | None:
     """The loaded ``afm_core._mlx.qmm_ext`` (which also holds the decode
-    attention kernel, ``afm_core._mlx.attention``), or None."""
+    attention kernel, ``afm_core._mlx.attention``, and the one-operation norm
+    and rotary embedding ``afm_core._mlx.fusion`` uses), or None."""
     return _ext
 
 

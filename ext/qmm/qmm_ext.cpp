@@ -46,6 +46,10 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
 
+namespace afm_layer {
+void register_layer_ops(nb::module_& m);  // layer_ops.cpp
+}
+
 namespace afm_qmm {
 namespace {
 
@@ -606,6 +610,7 @@ NB_MODULE(qmm_ext, m) {
         "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases).T, float32 accumulation, activations quantized "
         "to int8 per block of 32");
+  afm_layer::register_layer_ops(m);
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(),
         "softmax(scale * q k^T + mask) v for one query position per (batch, head): q (B, Hq, "

@@ -1,0 +1,234 @@
+// Two small per-layer operations as single MLX primitives for the CPU
+// (afm_core._mlx.qmm_ext.rms_norm / rope_decode), replacing graphs that MLX's
+// CPU backend runs as several tasks each:
+//
+// * rms_norm(x, w, eps) = (x * rsqrt(mean(x^2) + eps)) * w over the last axis,
+//   as mx.fast.rms_norm's CPU fallback computes it (a cast, a square, a sum,
+//   and a compiled element-wise kernel);
+// * rope_decode(x, offset, freqs, dims, traditional): the rotary embedding of
+//   one position per batch row, x (B, H, 1, D), offset a scalar or (B,)
+//   array, freqs (D,) the per-dimension frequencies; the first `dims`
+//   dimensions rotate (the rest pass through), in pairs (2i, 2i+1) when
+//   traditional, else (i, i + dims/2):
+//   out[a] = x[a] cos(t f[a]) - x[b] sin(t f[a]), out[b] = x[b] cos + x[a] sin.
+//
+// Float32 only; the Python side (afm_core._mlx.fusion) calls them where they
+// apply and keeps MLX's graph elsewhere.
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace afm_layer {
+namespace {
+
+// Element offset of row r (all axes but the last) of a.
+int64_t row_offset(const mx::array& a, int64_t r) {
+  int64_t off = 0;
+  for (int ax = a.ndim() - 2; ax >= 0; --ax) {
+    const int64_t dim = a.shape(ax);
+    off += (r % dim) * a.strides(ax);
+    r /= dim;
+  }
+  return off;
+}
+
+void rms_norm_compute(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+  const int D = x.shape(-1);
+  const int64_t rows = D > 0 ? static_cast<int64_t>(x.size() / D) : 0;
+  const int64_t xs = x.strides(-1), ws = w.strides(0);
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* op = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + row_offset(x, r);
+    float* o = op + r * D;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+    if (xs == 1) {
+      for (; d + 8 <= D; d += 8) {
+        for (int j = 0; j < 8; ++j) acc[j] += xr[d + j] * xr[d + j];
+      }
+    }
+    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < D; ++d) sum += xr[d * xs] * xr[d * xs];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+    if (xs == 1 && ws == 1) {
+      for (int i = 0; i < D; ++i) o[i] = (xr[i] * scale) * wp[i];
+    } else {
+      for (int i = 0; i < D; ++i) o[i] = (xr[i * xs] * scale) * wp[i * ws];
+    }
+  }
+}
+
+float position(const mx::array& offset, int b) {
+  const int64_t at = offset.ndim() == 0 ? 0 : b * offset.strides(0);
+  switch (offset.dtype()) {
+    case mx::int32: return static_cast<float>(offset.data<int32_t>()[at]);
+    case mx::int64: return static_cast<float>(offset.data<int64_t>()[at]);
+    case mx::uint32: return static_cast<float>(offset.data<uint32_t>()[at]);
+    default: return offset.data<float>()[at];
+  }
+}
+
+void rope_compute(const mx::array& x, const mx::array& offset, const mx::array& freqs,
+                  mx::array& out, int dims, bool traditional) {
+  const int B = x.shape(0), H = x.shape(1), D = x.shape(3), half = dims / 2;
+  const float* f = freqs.data<float>();
+  const int64_t fs = freqs.strides(0);
+  std::vector<float> cs(static_cast<size_t>(D)), sn(static_cast<size_t>(D));
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  const int64_t s0 = x.strides(0), s1 = x.strides(1), s3 = x.strides(3);
+  for (int b = 0; b < B; ++b) {
+    const float t = position(offset, b);
+    for (int i = 0; i < D; ++i) {
+      const float angle = t * f[i * fs];
+      cs[i] = std::cos(angle);
+      sn[i] = std::sin(angle);
+    }
+    for (int h = 0; h < H; ++h) {
+      const float* xr = xp + b * s0 + h * s1;
+      float* o = op + (static_cast<int64_t>(b) * H + h) * D;
+      for (int i = 0; i < D; ++i) o[i] = xr[i * s3];  // the dims past the pairs pass through
+      for (int i = 0; i < half; ++i) {
+        const int a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+        const float xa = xr[a * s3], xc = xr[c * s3];
+        o[a] = xa * cs[a] - xc * sn[a];
+        o[c] = xc * cs[c] + xa * sn[c];
+      }
+    }
+  }
+}
+
+// Allocates `out` (before the caller's task, which holds a weak copy of it,
+// is made: see the eval_cpu methods) and queues the task on the stream.
+void allocate(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
+
+template <typename Fn>
+void dispatch(const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out,
+              Fn fn) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch(std::move(fn));
+}
+
+class AfmRMSNorm : public mx::Primitive {
+ public:
+  AfmRMSNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    allocate(outs[0]);
+    dispatch(stream(), in, outs[0],
+             [x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
+              o = mx::array::unsafe_weak_copy(outs[0]), eps = eps_]() mutable {
+               rms_norm_compute(x, w, o, eps);
+             });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("afm rms_norm: this primitive runs on the CPU only");
+  }
+  const char* name() const override { return "AfmRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const AfmRMSNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+class AfmRopeDecode : public mx::Primitive {
+ public:
+  AfmRopeDecode(mx::Stream s, int dims, bool traditional)
+      : mx::Primitive(s), dims_(dims), traditional_(traditional) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    allocate(outs[0]);
+    dispatch(stream(), in, outs[0],
+             [x = mx::array::unsafe_weak_copy(in[0]), t = mx::array::unsafe_weak_copy(in[1]),
+              f = mx::array::unsafe_weak_copy(in[2]), o = mx::array::unsafe_weak_copy(outs[0]),
+              dims = dims_, trad = traditional_]() mutable { rope_compute(x, t, f, o, dims, trad); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("afm rope: this primitive runs on the CPU only");
+  }
+  const char* name() const override { return "AfmRopeDecode"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AfmRopeDecode&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
+mx::Stream cpu_stream(const char* what) {
+  const mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(what) + ": the default device must be the CPU");
+  }
+  return stream;
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || w.dtype() != mx::float32 || w.ndim() != 1 ||
+      w.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument(
+        "afm rms_norm: x must be float32 (..., D) and w float32 (D,)");
+  }
+  const mx::Stream s = cpu_stream("afm rms_norm");
+  return mx::array(x.shape(), mx::float32, std::make_shared<AfmRMSNorm>(s, eps), {x, w});
+}
+
+mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::array& freqs,
+                      int dims, bool traditional) {
+  if (x.ndim() != 4 || x.shape(2) != 1 || x.dtype() != mx::float32) {
+    throw std::invalid_argument("afm rope: x must be float32 (B, H, 1, D)");
+  }
+  if (freqs.ndim() != 1 || freqs.shape(0) != x.shape(3) || freqs.dtype() != mx::float32) {
+    throw std::invalid_argument("afm rope: freqs must be float32 (D,)");
+  }
+  if (dims < 0 || dims > x.shape(3) || dims % 2 != 0) {
+    throw std::invalid_argument("afm rope: dims must be even and at most D");
+  }
+  const bool shape_ok = offset.ndim() == 0 || (offset.ndim() == 1 && offset.shape(0) == x.shape(0));
+  const mx::Dtype t = offset.dtype();
+  if (!shape_ok || !(t == mx::int32 || t == mx::int64 || t == mx::uint32 || t == mx::float32)) {
+    throw std::invalid_argument(
+        "afm rope: offset must be a scalar or (B,) array of int32, int64, uint32 or float32");
+  }
+  const mx::Stream s = cpu_stream("afm rope");
+  return mx::array(x.shape(), mx::float32, std::make_shared<AfmRopeDecode>(s, dims, traditional),
+                   {x, offset, freqs});
+}
+
+}  // namespace
+
+void register_layer_ops(nb::module_& m) {
+  m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "(x * rsqrt(mean(x^2, -1) + eps)) * weight, float32, as one operation.");
+  m.def("rope_decode", &rope_decode, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a,
+        "The rotary embedding of one position per batch row: x (B, H, 1, D) float32, offset "
+        "a scalar or (B,) array, freqs (D,); the first dims dimensions rotate.");
+}
+
+}  // namespace afm_layer

@@ -1,0 +1,119 @@
+"""The one-operation norm and decode rotary embedding (``ext/qmm/layer_ops.cpp``)
+against mlx's own layers, and the fused layers that use them.
+
+Both compute what mlx computes in another summation order (the norm's sum of
+squares) or with libm's sin/cos, so they agree to float32 rounding: 4e-6 of
+the largest output here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import afm_core  # noqa: F401  (binds the BLAS under MLX first)
+from afm_core._mlx import fusion
+from afm_core._mlx import qmatmul as _qmatmul
+
+ext = _qmatmul.extension()
+needs_ext = pytest.mark.skipif(ext is None, reason="afm_core._mlx.qmm_ext is not built or disabled")
+TOL = 4e-6
+
+
+def _close(got, ref):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert float(mx.max(mx.abs(got - ref))) <= TOL * max(1.0, float(mx.max(mx.abs(ref))))
+
+
+def _freqs(dims, head_dim, traditional, base=10000.0, scale=1.0):
+    half = dims // 2
+    f = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+    f = mx.repeat(f, 2) if traditional else mx.concatenate([f, f])
+    return mx.concatenate([f, mx.zeros((head_dim - dims,), dtype=mx.float32)]) * scale
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 64), (5, 13), (3, 1, 1, 100)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_matches_mlx(shape, eps):
+    mx.random.seed(len(shape) + shape[-1])
+    x = mx.random.normal(shape) * 4
+    w = mx.random.normal((shape[-1],))
+    _close(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps))
+
+
+@needs_ext
+def test_rms_norm_reads_strided_input():
+    x = mx.random.normal((4, 6, 24)).transpose(1, 0, 2)[:, ::2, :]
+    w = mx.random.normal((24,))[::-1]
+    _close(ext.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5))
+    xs = mx.random.normal((24, 5)).T  # last axis not contiguous
+    _close(ext.rms_norm(xs, w, 1e-5), mx.fast.rms_norm(xs, w, 1e-5))
+
+
+@needs_ext
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(("dims", "head_dim"), [(64, 64), (32, 64), (128, 128)])
+@pytest.mark.parametrize("offset_dtype", [mx.int32, mx.int64, mx.uint32, mx.float32])
+def test_rope_decode_matches_mlx_rope(traditional, dims, head_dim, offset_dtype):
+    rope = nn.RoPE(dims, traditional=traditional, base=10000.0, scale=0.5)
+    mx.random.seed(dims)
+    x = mx.random.normal((3, 1, 5, head_dim)).transpose(0, 2, 1, 3)  # as a model makes it
+    positions = [0, 37, 4099]
+    ref = mx.concatenate([rope(x[i:i + 1], offset=p) for i, p in enumerate(positions)])
+    freqs = _freqs(dims, head_dim, traditional, scale=0.5)
+    got = ext.rope_decode(x, mx.array(positions, dtype=offset_dtype), freqs, dims, traditional)
+    _close(got, ref)
+    one = ext.rope_decode(x[:1], mx.array(37, dtype=offset_dtype), freqs, dims, traditional)
+    _close(one, rope(x[:1], offset=37))
+
+
+@needs_ext
+def test_refusals():
+    x = mx.zeros((1, 2, 1, 8))
+    f = mx.zeros((8,))
+    with pytest.raises(ValueError, match="float32"):
+        ext.rms_norm(x.astype(mx.float16), mx.ones((8,)), 1e-5)
+    with pytest.raises(ValueError):
+        ext.rms_norm(x, mx.ones((7,)), 1e-5)
+    with pytest.raises(ValueError, match=r"\(B, H, 1, D\)"):
+        ext.rope_decode(mx.zeros((1, 2, 3, 8)), mx.array(0), f, 8, False)
+    with pytest.raises(ValueError, match="offset"):
+        ext.rope_decode(x, mx.array([1, 2]), f, 8, False)
+    with pytest.raises(ValueError, match="dims"):
+        ext.rope_decode(x, mx.array(1), f, 7, False)
+
+
+@needs_ext
+@pytest.mark.parametrize("ops", ["on", "off"])
+def test_fused_layers_use_them_and_match_mlx_layers(ops, monkeypatch):
+    if ops == "off":
+        monkeypatch.setenv(fusion.NO_LAYER_OPS_ENV, "1")
+    norm, rope = nn.RMSNorm(64, eps=1e-5), nn.RoPE(32, traditional=False, base=500000.0)
+    norm.weight = mx.random.normal((64,))
+    model = nn.Sequential(norm, rope)
+    x = mx.random.normal((2, 1, 64))
+    q = mx.random.normal((2, 1, 4, 64)).transpose(0, 2, 1, 3)
+    offsets = mx.array([3, 90], dtype=mx.int32)
+    ref_norm = norm(x)
+    ref_rope = mx.concatenate([rope(q[i:i + 1], offset=int(offsets[i])) for i in range(2)])
+    assert fusion.fuse_cpu_kernels(model, transpose=False) == 2
+    seen = []
+
+    def census(out):
+        import tempfile
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, out)
+            seen.append(f.read())
+        return out
+
+    _close(census(norm(x)), ref_norm)
+    _close(census(rope(q, offset=offsets)), ref_rope)
+    one_op = ("AfmRMSNorm" in seen[0], "AfmRopeDecode" in seen[1])
+    assert one_op == ((True, True) if ops == "on" else (False, False))
+    fusion.unfuse_cpu_kernels(model)
+    np.testing.assert_allclose(np.array(norm(x)), np.array(ref_norm), rtol=0, atol=0)
