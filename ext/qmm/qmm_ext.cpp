@@ -314,7 +314,7 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   const int passes = act_passes();
   const int MQ = M * passes;  // rows of quantized activations
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, xsum, ypair;
+  thread_local std::vector<float> d, xsum;
   q.resize(static_cast<size_t>(MQ) * K);
   d.resize(static_cast<size_t>(MQ) * nb);
   xsum.resize(static_cast<size_t>(MQ) * ng);
@@ -341,6 +341,7 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   a.d = d.data();
   a.xsum = xsum.data();
   a.M = MQ;
+  a.passes = passes;
   a.K = K;
 
   // (the jobs below run on other threads: they must not name the thread_locals)
@@ -355,11 +356,7 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     return;
   }
   const KernelSet& ks_set = kernels();
-  float* const y_out = y;
-  if (passes == 2) {  // products into a (2M x N) buffer, summed in pairs below
-    ypair.resize(static_cast<size_t>(MQ) * N);
-    y = ypair.data();
-  }
+
   Pool& p = pool();
   int threads = p.size();
   const int limit = g_thread_limit.load();
@@ -395,14 +392,7 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     };
     p.run(threads, chunks, job);
   }
-  if (passes == 2) {
-    for (int m = 0; m < M; ++m) {
-      const float* r0 = y + static_cast<size_t>(2 * m) * N;
-      const float* r1 = r0 + N;
-      float* o = y_out + static_cast<size_t>(m) * N;
-      for (int n = 0; n < N; ++n) o[n] = r0[n] + r1[n];
-    }
-  }
+
 }
 
 class AfmQuantizedMatmul : public mx::Primitive {

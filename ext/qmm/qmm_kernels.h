@@ -24,7 +24,8 @@ struct QActs {
                               // its even elements, then its odd ones
   const float* d = nullptr;   // [M][K/32] block scales
   const float* xsum = nullptr;  // [M][K/group] exact sums of x per group
-  int M = 0, K = 0;
+  int M = 0, K = 0;  // M: quantized rows, `passes` per output row
+  int passes = 1;    // 2: rows 2m, 2m + 1 are one row's int8 and its remainder
 };
 
 struct QWeights {
@@ -47,7 +48,8 @@ void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
 // Rows [n0, n1) of the weight as float32 into dst ((n1 - n0) x K).
 void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst);
 
-// out[m * N + n] for n in [n0, n1), every m.
+// out[m * N + n] for n in [n0, n1), every output row m < M / passes (the
+// passes of a row summed: the remainder's group sums are 0, so its bias term is).
 using RangeKernel = void (*)(const QActs&, const QWeights&, float* out, int n0, int n1);
 
 struct KernelSet {
