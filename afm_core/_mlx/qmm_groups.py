@@ -136,6 +136,8 @@ def group_siblings(model: nn.Module) -> int:
                 object.__setattr__(layer, "_group", group)
                 object.__setattr__(layer, "_index", index)
             families += 1
+    if families:
+        mx.clear_cache()  # the layers' own buffers, freed: back to the system, not MLX's cache
     return families
 
 
