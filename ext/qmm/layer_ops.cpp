@@ -21,9 +21,8 @@
 
 #include <nanobind/nanobind.h>
 
-#include "mlx/allocator.h"
+#include "cpu_task.h"
 #include "mlx/array.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
@@ -114,25 +113,12 @@ void rope_compute(const mx::array& x, const mx::array& offset, const mx::array& 
   }
 }
 
-// Allocates `out` (before the caller's task, which holds a weak copy of it,
-// is made: see the eval_cpu methods) and queues the task on the stream.
-void allocate(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
-
-template <typename Fn>
-void dispatch(const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out,
-              Fn fn) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch(std::move(fn));
-}
-
 class AfmRMSNorm : public mx::Primitive {
  public:
   AfmRMSNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    allocate(outs[0]);
-    dispatch(stream(), in, outs[0],
+    afm_cpu::allocate(outs[0]);
+    afm_cpu::dispatch(stream(), in, outs[0],
              [x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
               o = mx::array::unsafe_weak_copy(outs[0]), eps = eps_]() mutable {
                rms_norm_compute(x, w, o, eps);
@@ -158,8 +144,8 @@ class AfmRopeDecode : public mx::Primitive {
   AfmRopeDecode(mx::Stream s, int dims, bool traditional)
       : mx::Primitive(s), dims_(dims), traditional_(traditional) {}
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    allocate(outs[0]);
-    dispatch(stream(), in, outs[0],
+    afm_cpu::allocate(outs[0]);
+    afm_cpu::dispatch(stream(), in, outs[0],
              [x = mx::array::unsafe_weak_copy(in[0]), t = mx::array::unsafe_weak_copy(in[1]),
               f = mx::array::unsafe_weak_copy(in[2]), o = mx::array::unsafe_weak_copy(outs[0]),
               dims = dims_, trad = traditional_]() mutable { rope_compute(x, t, f, o, dims, trad); });

@@ -40,6 +40,7 @@
 #include "mlx/utils.h"
 
 #include "attention_kernels.h"
+#include "cpu_task.h"
 #include "qmm_kernels.h"
 
 namespace nb = nanobind;
@@ -402,11 +403,8 @@ class AfmQuantizedMatmul : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+    afm_cpu::allocate(out);
+    afm_cpu::dispatch(stream(), inputs, out, [x = mx::array::unsafe_weak_copy(inputs[0]),
                   w = mx::array::unsafe_weak_copy(inputs[1]),
                   s = mx::array::unsafe_weak_copy(inputs[2]),
                   b = mx::array::unsafe_weak_copy(inputs[3]),
@@ -524,12 +522,9 @@ class AfmDecodeAttention : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    afm_cpu::allocate(out);
     const bool masked = inputs.size() == 4;
-    enc.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
+    afm_cpu::dispatch(stream(), inputs, out, [q = mx::array::unsafe_weak_copy(inputs[0]),
                   k = mx::array::unsafe_weak_copy(inputs[1]),
                   v = mx::array::unsafe_weak_copy(inputs[2]),
                   m = mx::array::unsafe_weak_copy(inputs[masked ? 3 : 0]), masked,
