@@ -342,6 +342,7 @@ class Engine:
                     try:
                         adapters = attach_adapters(model, self.config.adapters)
                     except (ValueError, OSError) as exc:
+                        unfuse_cpu_kernels(model)  # (the model's modules are shared patches)
                         raise ModelLoadError(f"could not load the adapters: {exc}") from exc
                 tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = _distributed.worker_factory(self.config.distributed)(
