@@ -39,6 +39,14 @@ entry to be read (by the disk tier's I/O thread, while the batch keeps
 decoding; ``loading``); the entry then moves into the memory tier and the
 job is inserted with its copy.  A file that turns out corrupt is deleted and
 the job falls back to the memory tier's answer.
+
+**LoRA adapters.**  A job's ``adapter`` (0: none) goes with its row into
+the generator (``insert_one(adapter=...)``; :mod:`afm_core._mlx.lora`), so
+rows on different adapters decode in the same batch.  What a row computed
+under one adapter never serves another: the memory tier's entries are keyed
+by adapter (``_cache_key``), a job parks only on a leader with the same
+adapter (``_share_key``), and the disk tier reads and writes the base
+model's caches only.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ steps the cache state is evaluated too (see there).  :func:`install` swaps the
 batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
 and extends it with each prefilled group).  :func:`occupancy` counts where a
 generator's sequences are, so no caller reads its private fields.
+Before each forward the rows' LoRA adapters are selected by their uids
+(``afm_core._mlx.lora.AdapterRows``), so they follow mlx-lm's inserts and filters.
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ prefix cache), and the row's prefill waits for its own evaluations.
 the rows are merged into the decode batch.  The copy holds every prompt token
 but the last, as the row does then; the caller takes it out of ``prefilled``
 after the step and inserts the waiting requests with it.
+
+**LoRA adapters.**  With ``adapters`` (:class:`~afm_core._mlx.lora.AdapterRows`),
+each row's prompt chunks run with that row's adapter selected, and so does
+the first decode step mlx-lm's ``GenerationBatch`` runs as it is made.
 """
 
 from __future__ import annotations
