@@ -100,13 +100,16 @@ class AdapterRows:
     ``of`` maps an mlx-lm uid to its adapter index (1-based; rows absent
     from it use none).  ``current`` is what the wrapped layers read: None (no
     adapter), an index (every row on that one), or an array of one index per
-    row (0: none)."""
+    row (0: none); with an array, ``row_scales`` holds each row's adapter
+    scale (0 for none), shaped to broadcast over a layer's output."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], scales: Sequence[float] = ()) -> None:
         self.names = tuple(names)
+        self.scales = mx.array([0.0, *(scales or [1.0] * len(self.names))], dtype=mx.float32)
         self.of: dict[int, int] = {}
         self.current: int | mx.array | None = None
-        self._last: tuple[tuple[int, ...], mx.array] | None = None
+        self.row_scales: mx.array | None = None
+        self._last: tuple[tuple[int, ...], mx.array, mx.array] | None = None
 
     def select_rows(self, uids: Sequence[int]) -> None:
         """Select the adapters of the batch rows ``uids`` (in row order)."""
@@ -121,11 +124,14 @@ class AdapterRows:
             return
         last = self._last
         if last is None or last[0] != idx:
-            last = self._last = (idx, mx.array(idx, dtype=mx.uint32))
-        self.current = last[1]
+            rows = mx.array(idx, dtype=mx.uint32)
+            scales = self.scales[rows].reshape(-1, 1, 1)
+            mx.eval(rows, scales)
+            last = self._last = (idx, rows, scales)
+        self.current, self.row_scales = last[1], last[2]
 
     def clear(self) -> None:
-        self.current = None
+        self.current = self.row_scales = None
 
 
 class AdaptedLinear(nn.Module):
@@ -139,35 +145,33 @@ class AdaptedLinear(nn.Module):
         # outside the parameter tree: the engine never trains or saves them
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_one", [None, *per_adapter])  # index 0: no adapter
+        # (every adapter's scale is the same in every layer: AdapterRows.row_scales holds it per row)
         rank = max(a.shape[1] for a, _, _ in (p for p in per_adapter if p is not None))
         in_dims, out_dims = next((a.shape[0], b.shape[1]) for a, b, _ in
                                  (p for p in per_adapter if p is not None))
         dtype = next(a.dtype for a, _, _ in (p for p in per_adapter if p is not None))
         a_stack = [mx.zeros((in_dims, rank), dtype=dtype)]
         b_stack = [mx.zeros((rank, out_dims), dtype=dtype)]
-        scales = [0.0]
         for p in per_adapter:
             if p is None:
                 a_stack.append(a_stack[0])
                 b_stack.append(b_stack[0])
-                scales.append(0.0)
                 continue
-            a, b, s = p
+            a, b, _ = p
             pad = rank - a.shape[1]
             if pad:  # zero columns and rows add exact zeros
                 a = mx.concatenate([a, mx.zeros((in_dims, pad), dtype=a.dtype)], axis=1)
                 b = mx.concatenate([b, mx.zeros((pad, out_dims), dtype=b.dtype)], axis=0)
             a_stack.append(a.astype(dtype))
             b_stack.append(b.astype(dtype))
-            scales.append(s)
-        stacks = (mx.stack(a_stack), mx.stack(b_stack), mx.array(scales, dtype=mx.float32))
+        stacks = (mx.stack(a_stack), mx.stack(b_stack))
         mx.eval(stacks)
         object.__setattr__(self, "_stacks", stacks)
 
     @property
     def adapter_bytes(self) -> int:
-        a, b, s = self._stacks
-        return int(a.nbytes + b.nbytes + s.nbytes) + sum(
+        a, b = self._stacks
+        return int(a.nbytes + b.nbytes) + sum(
             p[0].nbytes + p[1].nbytes for p in self._one if p is not None)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -180,12 +184,12 @@ class AdaptedLinear(nn.Module):
             if one is None:
                 return y
             a, b, scale = one
-            z = (x @ a) @ b  # mlx-lm's LoRALinear, as is
-            return y + (scale * z).astype(x.dtype)
-        a_stack, b_stack, scales = self._stacks
-        z = mx.gather_mm(mx.gather_mm(x, a_stack, rhs_indices=sel), b_stack, rhs_indices=sel)
-        s = scales[sel].reshape((-1,) + (1,) * (z.ndim - 1))
-        return y + (s * z).astype(x.dtype)
+            z = scale * ((x @ a) @ b)  # mlx-lm's LoRALinear, as is
+            return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
+        a_stack, b_stack = self._stacks
+        z = self._rows.row_scales * mx.gather_mm(mx.gather_mm(x, a_stack, rhs_indices=sel), b_stack,
+                                                 rhs_indices=sel)
+        return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
 
 
 def _dims(layer: Any) -> tuple[int, int] | None:
@@ -211,7 +215,7 @@ def attach_adapters(model: nn.Module, adapters: Sequence[tuple[str, str | Path]]
     read = [(name, read_adapter(path)) for name, path in adapters]
     modules = dict(model.named_modules())
     targets = sorted({layer for _, w in read for layer in w.layers})
-    rows = AdapterRows([name for name, _ in read])
+    rows = AdapterRows([name for name, _ in read], [w.scale for _, w in read])
     for path in targets:
         layer = modules.get(path)
         dims = _dims(layer)

@@ -88,14 +88,19 @@ async def test_several_models_route_base_and_adapter(random_model_dir: Path, ech
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def expanded(path: str) -> str:
+    return str(Path(path).expanduser())
+
+
 async def test_afm_serve_adapter_flags(random_model_dir: Path, echo_model_dir: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    home = expanded("~/b")
     args = parser.parse_args(["--model", str(random_model_dir), "--model", str(echo_model_dir),
                               "--adapter", "a=/x/a", "--adapter", f"{echo_model_dir.name}:b=~/b"])
     specs = await _model_specs(args)
     assert specs[0].adapters == (("a", "/x/a"),)
-    assert specs[1].adapters == (("b", str(Path("~/b").expanduser())),)
+    assert specs[1].adapters == (("b", home),)
     with pytest.raises(SystemExit):
         parser.parse_args(["--adapter", "no-path"])
     args = parser.parse_args(["--model", str(random_model_dir), "--adapter", "other:a=/x"])

@@ -114,7 +114,7 @@ def test_rows_on_different_adapters_in_one_forward(setup: tuple[Path, Path, Path
 
 
 def test_unfit_adapters_are_refused(setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    path, a1, _ = setup
+    a1 = setup[1]
     other = make_random_model(tmp_path / "small", hidden_size=64, num_layers=2, seed=3)
     from mlx_lm.utils import load_model
 
