@@ -17,7 +17,8 @@ cache) in each mode, the modes interleaved round by round:
 * ``none``: the engine with adapters, rows without one (the wrappers' cost);
 * ``one``: every row on adapter 1;
 * ``mixed``: rows alternating between adapters 1 and 2 (one batch, a
-  gathered product per layer).
+  gathered product per layer); at C=1 its one row is on adapter 1, the same
+  work as ``one`` (the two columns then show the noise).
 
 Decode tok/s is each stream's tokens after its first over the time from its
 first to its last token, summed over the C streams; the table gives the

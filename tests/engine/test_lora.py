@@ -187,3 +187,30 @@ async def test_bad_adapters_fail_the_start(random_model_dir: Path, adapters: dic
 def test_completion_request_carries_the_adapter() -> None:
     assert CompletionRequest.from_openai({"adapters": ["fox"]}, "x").adapter == "fox"
     assert CompletionRequest.from_openai({}, "x").adapter is None
+
+
+async def test_grammar_profile_progress_and_logprobs_with_adapters(random_model_dir: Path,
+                                                                   adapters: dict[str, Path]) -> None:
+    import json
+
+    from afm_core import Profile, PromptProgress
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    async with open_engine(random_model_dir, adapters=served(adapters)) as engine:
+
+        async def one(name: str, seed: int) -> None:
+            r = req("json please", response_format=rf, temperature=1.0, seed=seed, max_tokens=40,
+                    enable_thinking=False, adapters=name, logprobs=True)
+            async with engine.stream(r, profile="basic", progress=True) as s:
+                events = [e async for e in s]
+            body = "".join(e.text for e in events if type(e).__name__ == "ContentDelta")
+            assert set(json.loads(body)) == {"ok"}
+            assert any(isinstance(e, Profile) for e in events)
+            assert any(isinstance(e, PromptProgress) for e in events)
+            assert any(type(e).__name__ == "LogprobsDelta" for e in events)
+
+        async with trio.open_nursery() as nursery:
+            for seed, name in enumerate(("fox", "zebra", "fox")):
+                nursery.start_soon(one, name, seed)
