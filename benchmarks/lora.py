@@ -22,7 +22,11 @@ cache) in each mode, the modes interleaved round by round:
 
 Decode tok/s is each stream's tokens after its first over the time from its
 first to its last token, summed over the C streams; the table gives the
-median over rounds and its ratio to ``off``.
+median over rounds and its ratio to ``off``.  Before the table, the MLX
+operations in one decode forward at C=4 in each mode (the model with the
+engine's CPU rewrite and the adapters attached, as the engine runs it): on
+the CPU backend a small model's step costs about in proportion to them.
+``--ops-only`` prints those counts and skips the timing.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import statistics
 import tempfile
 import time
 
+import mlx.core as mx
 import trio
 
 from afm_core import CompletionRequest, Engine, open_engine
@@ -80,9 +85,46 @@ async def run_level(engine: Engine, level: int, tokens: int, mode: str, rng: ran
     return sum(rates)
 
 
-async def bench(model: Path, keys: str, levels: list[int], tokens: int, rounds: int, work: Path) -> None:
+def step_ops(model_dir: Path, adapters: list[tuple[str, str]], c: int = 4) -> dict[str, int]:
+    """MLX operations in one decode forward of ``c`` rows, in each mode."""
+    import re
+    import tempfile
+
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from afm_core._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
+    from afm_core._mlx.lora import attach_adapters, detach_adapters
+
+    model = mlx_lm.load(str(model_dir))[0]
+    fuse_for_cpu(model)
+    rows = attach_adapters(model, adapters)
+    counts = {}
+    for mode, of in (("none", {}), ("one", dict.fromkeys(range(c), 1)),
+                     ("mixed", {i: 1 + i % 2 for i in range(c)})):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[5, 6, 7]] * c), cache=cache), [x.state for x in cache])
+        rows.of = of
+        rows.select_rows(list(range(c)))
+        out = model(mx.array([[9]] * c), cache=cache)
+        rows.clear()
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, out)
+            counts[mode] = len(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', f.read()))
+    detach_adapters(model)
+    unfuse_cpu_kernels(model)
+    return counts
+
+
+async def bench(model: Path, keys: str, levels: list[int], tokens: int, rounds: int, work: Path,
+                ops_only: bool = False) -> None:
     a1 = make_lora_adapter(model, work / f"{keys}-a1", keys=KEYS[keys], rank=8, random=True, seed=1)
     a2 = make_lora_adapter(model, work / f"{keys}-a2", keys=KEYS[keys], rank=8, random=True, seed=2)
+    ops = step_ops(model, [("a1", str(a1)), ("a2", str(a2))])
+    print(f"\n{model.name}  adapters rank 8 on {keys} ({', '.join(k.split('.')[-1] for k in KEYS[keys])})")
+    print("operations in one decode forward, C=4: " + ", ".join(f"{m} {n}" for m, n in ops.items()))
+    if ops_only:
+        return
     common = {"prefix_cache_bytes": 0, "max_batch": max(levels)}
     rng = random.Random(0)
     async with open_engine(model, **common) as plain, \
@@ -95,7 +137,6 @@ async def bench(model: Path, keys: str, levels: list[int], tokens: int, rounds: 
                     engine = plain if mode == "off" else adapted
                     rate = await run_level(engine, level, tokens, mode, rng)
                     results.setdefault((level, mode), []).append(rate)
-    print(f"\n{model.name}  adapters rank 8 on {keys} ({', '.join(k.split('.')[-1] for k in KEYS[keys])})")
     print(f"{'C':>3} " + " ".join(f"{m + ' tok/s':>12}" for m in MODES) + "   ratios to off (none/one/mixed)")
     for level in levels:
         med = {m: statistics.median(results[(level, m)]) for m in MODES}
@@ -109,7 +150,8 @@ async def main(args: argparse.Namespace) -> None:
     for spec in args.model.split(","):
         model = model_path(spec, work)
         for keys in args.keys.split(","):
-            await bench(model, keys, levels, args.tokens, args.rounds, work / spec.replace("/", "_"))
+            await bench(model, keys, levels, args.tokens, args.rounds, work / spec.replace("/", "_"),
+                        args.ops_only)
 
 
 if __name__ == "__main__":
@@ -119,4 +161,5 @@ if __name__ == "__main__":
     p.add_argument("--levels", default="1,4")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ops-only", action="store_true", help="only count the operations of a decode step")
     trio.run(main, p.parse_args())
