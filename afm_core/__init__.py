@@ -21,6 +21,7 @@ from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
 from ._engine.runtime import RuntimeInfo as RuntimeInfo
 from ._engine.runtime import runtime_info as runtime_info
+from ._errors import AdapterNotFoundError as AdapterNotFoundError
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError
 from ._errors import DistributedError as DistributedError
@@ -72,6 +73,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AFMError",
+    "AdapterNotFoundError",
     "ChatRequest",
     "ChatStream",
     "ChunkAccumulator",

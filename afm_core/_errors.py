@@ -3,7 +3,8 @@
     AFMError
     ├── RequestError            invalid request; carries an HTTP status hint
     │   ├── ContextLengthError  prompt (+ max_tokens) exceeds the model context (400)
-    │   └── UnsupportedError    valid but not supported here (400 / 422)
+    │   ├── UnsupportedError    valid but not supported here (400 / 422)
+    │   └── AdapterNotFoundError  a LoRA adapter the engine does not serve (404)
     ├── EngineBusyError         waiting queue full (503, Retry-After)
     ├── EngineClosedError       engine shut down / not running (503)
     │   └── DistributedError    a rank of a distributed model is gone or hung (503)
@@ -75,6 +76,13 @@ class ContextLengthError(RequestError):
 
 class UnsupportedError(RequestError):
     code = "unsupported"
+
+
+class AdapterNotFoundError(RequestError):
+    """The request names a LoRA adapter the engine does not serve."""
+
+    def __init__(self, message: str, *, param: str | None = "model") -> None:
+        super().__init__(message, param=param, status=404, code="adapter_not_found")
 
 
 class EngineBusyError(AFMError):

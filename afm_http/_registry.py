@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from afm_core import (
+    AdapterNotFoundError,
     AFMError,
     Engine,
     EngineClosedError,
@@ -79,6 +80,9 @@ class ModelSpec:
     """A model directory, a ``.gguf`` file or a Hugging Face repo id (``open_engine``'s ``model``)."""
     size: int = 0
     """Its weights' bytes on disk (0: unknown until loaded, e.g. a hub id not fetched yet)."""
+    adapters: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served on it, ``(name, directory)`` (``afm serve --adapter``): a
+    request names one as ``model: "id:name"`` (or ``adapters``), ``/v1/models`` lists them so."""
 
 
 def weights_bytes(path: str | Path) -> int:
@@ -178,7 +182,8 @@ class ModelRegistry:
     def serving(cls, engine: Engine) -> ModelRegistry:
         """A registry of one engine already open (``create_app(engine)``): loaded, kept."""
         registry = cls([ModelSpec(engine.model_id, str(engine.model_path),
-                                  weights_bytes(engine.model_path))], config=engine.config, pinned=True)
+                                  weights_bytes(engine.model_path), engine.config.adapters)],
+                       config=engine.config, pinned=True)
         slot = registry._slots[registry.default_id]
         slot.engine = engine
         slot.context_length = engine.context_length
@@ -191,11 +196,18 @@ class ModelRegistry:
     # -- what the routes use ---------------------------------------------------------
 
     def resolve(self, model: str | None) -> str:
-        """The id of the model a request's ``model`` names (None or "": the default)."""
+        """The id of the model a request's ``model`` names (None or "": the default);
+        ``id:adapter`` names model ``id`` (its engine checks the adapter)."""
         if not model or not self.strict:
             return self.default_id
         if model in self.table:
             return model
+        head, colon, tail = model.rpartition(":")
+        if colon and head in self.table:
+            if tail not in dict(self._slots[head].spec.adapters):
+                raise AdapterNotFoundError(f"The model '{head}' has no adapter '{tail}': GET /v1/models "
+                                           "lists the adapters served as model:adapter")
+            return head
         raise RequestError(f"The model '{model}' does not exist: GET /v1/models lists the models "
                            "served here", param="model", status=404, code="model_not_found")
 
@@ -244,10 +256,17 @@ class ModelRegistry:
 
     def card(self, model_id: str) -> dict[str, Any] | None:
         """The ``/v1/models`` entry of a served model (OpenAI's fields, the context
-        and its ``state``), None if it is not served here."""
+        and its ``state``) or of one of its adapters (``id:adapter``, with its
+        ``parent`` as vLLM lists LoRA modules), None if it is not served here."""
         slot = self._slots.get(model_id)
         if slot is None:
-            return None
+            head, colon, name = model_id.rpartition(":")
+            base = self._slots.get(head) if colon else None
+            if base is None or name not in dict(base.spec.adapters):
+                return None
+            card = self.card(head)
+            assert card is not None
+            return {**card, "id": model_id, "parent": head}
         out: dict[str, Any] = {"id": model_id, "object": "model", "created": self.created,
                                "owned_by": "afm"}
         if slot.context_length is not None:
@@ -256,7 +275,9 @@ class ModelRegistry:
         return out
 
     def cards(self) -> list[dict[str, Any]]:
-        return [c for mid in self.table.ids() if (c := self.card(mid)) is not None]
+        ids = [i for mid in self.table.ids() for i in (mid, *(f"{mid}:{name}" for name, _ in
+                                                             self._slots[mid].spec.adapters))]
+        return [c for mid in ids if (c := self.card(mid)) is not None]
 
     # -- loading and unloading ----------------------------------------------------------
 
@@ -341,11 +362,12 @@ class ModelRegistry:
 
     def _config_for(self, spec: ModelSpec) -> EngineConfig:
         """The engine settings, with a disk cache directory of its own per model."""
-        cache_dir = self.config.cache_dir
+        config = replace(self.config, adapters=spec.adapters) if spec.adapters else self.config
+        cache_dir = config.cache_dir
         if cache_dir is None or len(self._slots) == 1:
-            return self.config
+            return config
         safe = re.sub(r"[^\w.-]+", "_", spec.id)
-        return replace(self.config, cache_dir=Path(cache_dir) / safe)
+        return replace(config, cache_dir=Path(cache_dir) / safe)
 
     async def _hold(self, slot: _Slot, hold: _Hold, gates: list[trio.Event]) -> None:
         """Load the model, keep it until asked to unload it, close it."""

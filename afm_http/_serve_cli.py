@@ -23,6 +23,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +154,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the first request then pays one-time costs)")
     engine.add_argument("--no-cpu-fusion", action="store_true",
                         help="on MLX's CPU backend, keep mlx-lm's own norm, rotary and linear layers")
+    engine.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="[MODEL:]NAME=PATH",
+                        help="serve the LoRA adapter in the mlx-lm adapter directory PATH (as mlx_lm.lora "
+                             "writes it) as NAME on the first --model (or on MODEL); a request picks it "
+                             "with model \"MODEL_ID:NAME\" or \"adapters\": \"NAME\"; repeatable. Rows on "
+                             "different adapters decode in one batch")
     engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
     engine.add_argument("--embedding-model", default=None, metavar="M",
@@ -176,6 +182,15 @@ def describe_blas(blas: Mapping[str, Any]) -> str:
 
 def _say(message: str) -> None:
     print(f"afm: {message}", file=sys.stderr, flush=True)
+
+
+def _adapter(text: str) -> tuple[str | None, str, str]:
+    """``[MODEL:]NAME=PATH`` as (model or None, name, path)."""
+    head, eq, path = text.partition("=")
+    model, colon, name = head.rpartition(":")
+    if not eq or not name or not path or (colon and not model):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH or MODEL:NAME=PATH")
+    return (model or None), name, str(Path(path).expanduser())
 
 
 def _several(args: argparse.Namespace) -> bool:
@@ -207,6 +222,12 @@ async def _model_specs(args: argparse.Namespace) -> list[ModelSpec]:
         twice = sorted({i for i in ids if ids.count(i) > 1})
         raise ModelLoadError(f"two models have the same id ({', '.join(twice)}): a request's "
                              "'model' could not tell them apart; rename one")
+    for model, name, path in args.adapter:
+        at = 0 if model is None else ids.index(model) if model in ids else -1
+        if at < 0:
+            raise ModelLoadError(f"--adapter {model}:{name}: no served model has the id {model!r}")
+        spec = specs[at]
+        specs[at] = replace(spec, adapters=(*spec.adapters, (name, path)))
     return specs
 
 

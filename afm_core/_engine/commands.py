@@ -122,6 +122,9 @@ class Job:
     progress: bool = False
     """Send :class:`~afm_core._stream.events.PromptProgress` events while the
     prompt is prefilled (``Engine.stream(..., progress=True)``)."""
+    adapter: int = 0
+    """The LoRA adapter the job runs with: an index into ``EngineConfig.adapters``
+    plus one (0: none)."""
     # filled in by the generation thread
     uid: MlxUid | None = None
     """Given when the job is admitted into mlx-lm's batch."""

@@ -155,6 +155,16 @@ class EngineConfig:
     ``cls`` (the first token's).  Which one fits depends on how the model
     was trained; a chat model gives usable but not tuned embeddings with any."""
 
+    adapters: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served beside the model, as ``(name, directory)`` pairs
+    (mlx-lm adapter directories, as ``mlx_lm.lora`` writes them); a request
+    picks one by name (``ChatRequest.adapter``, or a ``model`` of the form
+    ``base:name``) and the others run without.  Requests on different
+    adapters decode in the same batch: each targeted layer adds each row's
+    own adapter's update (``afm_core._mlx.lora``); a prefix-cache entry
+    serves only requests on its own adapter (the disk tier keeps the
+    base model's only).  Names may not hold ``:``.  Not with ``distributed``."""
+
     distributed: DistributedConfig | None = None
     """Serve one model sharded over the ranks of an ``mx.distributed`` group
     (:class:`DistributedConfig`): this engine is rank 0, every other rank runs
@@ -167,6 +177,11 @@ class EngineConfig:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")
         if self.cache_disk_bytes < 0:
             raise ValueError("cache_disk_bytes must be >= 0")
+        names = [name for name, _ in self.adapters]
+        if any(not name or ":" in name for name in names) or len(set(names)) != len(names):
+            raise ValueError("adapter names must be unique, non-empty and hold no ':'")
+        if self.adapters and self.distributed is not None:
+            raise ValueError("adapters cannot be used with distributed")
         if self.cache_dir is not None and self.distributed is not None:
             # every rank holds its own shard of each cache: rank 0's files would
             # serve its shard only, and the followers replay the memory tier alone

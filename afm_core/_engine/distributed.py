@@ -322,10 +322,11 @@ class LeaderGenerator(EngineBatchGenerator):
 
     def insert_one(self, prompt: list[int], *, max_tokens: int, cache: list[Any] | None,
                    all_tokens: list[int], sampler: Any, logits_processors: list[Any],
-                   stop_at_eos: bool = True, scores: Any = None) -> int:
+                   stop_at_eos: bool = True, scores: Any = None, adapter: int = 0) -> int:
+        # (EngineConfig refuses adapters with distributed: ``adapter`` is always 0)
         uid = super().insert_one(prompt, max_tokens=max_tokens, cache=cache, all_tokens=all_tokens,
                                  sampler=sampler, logits_processors=logits_processors,
-                                 stop_at_eos=stop_at_eos, scores=scores)
+                                 stop_at_eos=stop_at_eos, scores=scores, adapter=adapter)
         whole = [*all_tokens, *prompt]
         self.prompts[uid] = whole
         source: Any = None
@@ -437,8 +438,8 @@ class LeaderWorker(Worker):
 
     # -- what the journal needs beside the generator's operations -----------------
 
-    def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
-        super()._save_cache(tokens, cache)
+    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0) -> None:
+        super()._save_cache(tokens, cache, adapter)
         assert self.link is not None
         self.link.record(["save", list(tokens), len(self.prefix_cache)])
 

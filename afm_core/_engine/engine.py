@@ -261,6 +261,11 @@ class Engine:
         return self._info().context_length
 
     @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters served (``EngineConfig.adapters``), in order."""
+        return tuple(name for name, _ in self.config.adapters)
+
+    @property
     def model_path(self) -> Path:
         return self._info().path
 
@@ -330,12 +335,22 @@ class Engine:
                 model, tokenizer, info = _distributed.load(path, self.config.distributed)
                 if self.config.cpu_fusion:
                     fuse_for_cpu(model)
+                adapters = None
+                if self.config.adapters:  # after the CPU rewrite: they wrap its layers
+                    from .._mlx.lora import attach_adapters
+
+                    try:
+                        adapters = attach_adapters(model, self.config.adapters)
+                    except (ValueError, OSError) as exc:
+                        unfuse_cpu_kernels(model)  # (the model's modules are shared patches)
+                        raise ModelLoadError(f"could not load the adapters: {exc}") from exc
                 tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = _distributed.worker_factory(self.config.distributed)(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
+                    adapters=adapters,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -350,6 +365,9 @@ class Engine:
                 worker.fatal = exc
                 worker.run_failed(exc)
             finally:
+                from .._mlx.lora import detach_adapters
+
+                detach_adapters(model)  # before the rewrite it wraps is undone
                 unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
 
         thread = run_on_generation_thread(thread_main)

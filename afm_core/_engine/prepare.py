@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ContextLengthError, RequestError, UnsupportedError
+from .._errors import AdapterNotFoundError, ContextLengthError, RequestError, UnsupportedError
 from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
 from .._stream.request import ChatRequest, CompletionRequest
@@ -169,6 +169,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
     if profile is not None:
         recorder = ProfileRecorder(extended=profile == "extended", t_submit=t_submit,
                                    sample_interval=config.profile_sample_interval)
+    adapter = adapter_index(request, config, info)
     if isinstance(request, CompletionRequest):
         prompt = completion_prompt(request, tokenizer, info)
         max_tokens = _budget(prompt, request.max_tokens, info, config, "prompt")
@@ -177,7 +178,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         pipeline = StreamPipeline(IncrementalDetokenizer(continuation_tables(tables)), stops=request.stop)
         return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
                    profile=recorder, stop_at_eos=not request.ignore_eos,
-                   prompt_top_logprobs=request.prompt_logprobs, progress=progress), False
+                   prompt_top_logprobs=request.prompt_logprobs, progress=progress, adapter=adapter), False
     text = render_prompt(request, tokenizer, info)
     prompt = list(tokenizer.encode(text, add_special_tokens=False))
     if not prompt:
@@ -193,8 +194,37 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         structured=_structured_stage(request),
     )
     job = Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens,
-              pipeline=pipeline, profile=recorder, grammar=grammar, progress=progress)
+              pipeline=pipeline, profile=recorder, grammar=grammar, progress=progress, adapter=adapter)
     return job, downgraded
+
+
+def adapter_index(request: ChatRequest | CompletionRequest, config: EngineConfig, info: ModelInfo) -> int:
+    """The request's LoRA adapter as an index into ``config.adapters`` plus one
+    (0: none); raises :class:`AdapterNotFoundError` for a name not served.
+
+    ``adapter`` (the body's ``adapters``) names one; so does a ``model`` of the
+    form ``base:name``.  A ``model`` holding ``:`` whose tail is no adapter is
+    still a plain model name when the engine serves no adapters and the head is
+    not this model's id (a client's ``llama3:8b`` sent to a one-model server).
+    """
+    names = [name for name, _ in config.adapters]
+    wanted = request.adapter
+    if wanted is not None:
+        for i, (name, path) in enumerate(config.adapters):
+            if wanted in (name, path):  # mlx_lm.server's field holds a path
+                return i + 1
+        raise AdapterNotFoundError(f"The adapter '{wanted}' is not served here: GET /v1/models lists "
+                                   "them as model:adapter", param="adapters")
+    model = request.model or ""
+    head, colon, tail = model.rpartition(":")
+    if not colon:
+        return 0
+    if tail in names:
+        return names.index(tail) + 1
+    if names or head == info.id:
+        raise AdapterNotFoundError(f"The adapter '{tail}' is not served here: GET /v1/models lists "
+                                   "them as model:adapter")
+    return 0
 
 
 # -- raw prompts ------------------------------------------------------------------

@@ -39,6 +39,14 @@ entry to be read (by the disk tier's I/O thread, while the batch keeps
 decoding; ``loading``); the entry then moves into the memory tier and the
 job is inserted with its copy.  A file that turns out corrupt is deleted and
 the job falls back to the memory tier's answer.
+
+**LoRA adapters.**  A job's ``adapter`` (0: none) goes with its row into
+the generator (``insert_one(adapter=...)``; :mod:`afm_core._mlx.lora`), so
+rows on different adapters decode in the same batch.  What a row computed
+under one adapter never serves another: the memory tier's entries are keyed
+by adapter (``_cache_key``), a job parks only on a leader with the same
+adapter (``_share_key``), and the disk tier reads and writes the base
+model's caches only.
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from .._mlx.disk_cache import DiskMatch, DiskPromptCache
+    from .._mlx.lora import AdapterRows
     from .._mlx.prefill import EngineBatchGenerator, PromptScores
     from .sampling import SamplerCache
 
@@ -154,8 +163,10 @@ class Worker:
         model_key: str,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int = 0,
+        adapters: AdapterRows | None = None,
     ):
         self.model = model
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.post = post
         self.max_batch = max_batch
@@ -227,6 +238,7 @@ class Worker:
         self.gen: EngineBatchGenerator = EngineBatchGenerator(
             self.model,
             logprob_uids=self.logprob_uids,
+            adapters=self.adapters,
             max_tokens=1 << 30,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=self.max_batch,
@@ -243,6 +255,8 @@ class Worker:
                                         wake=self._wake)
         self.samplers: SamplerCache = SamplerCache()
         self.eos = set(eos)
+        if self.adapters is not None:
+            self.adapters.of.clear()  # (a generator made again after a failed step)
         self.weights_bytes = _param_bytes(self.model)
         self.device = str(mx.default_device()).split("(")[-1].split(",")[0].replace("DeviceType.", "")
         from .._mlx.blas import confirm
@@ -393,7 +407,7 @@ class Worker:
                 self.stats.prefix_cache_lookups += 1
                 if self._read_disk(job):
                     return  # admitted when its entry has been read (_disk_done)
-                cache, rest = self._fetch_memory(prompt)
+                cache, rest = self._fetch_memory(prompt, self._cache_key(job.adapter))
             job.cached_tokens = len(prompt) - len(rest)
             if scores is None and self.caching:
                 self._count_lookup(job, "memory")
@@ -409,13 +423,19 @@ class Worker:
         self.by_key.pop(job.key, None)
         outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
 
-    def _fetch_memory(self, prompt: list[int]) -> tuple[list[Any] | None, list[int]]:
-        """The memory tier's cache for ``prompt`` (a copy) and the tokens it leaves to compute."""
+    def _cache_key(self, adapter: int) -> str:
+        """The prefix cache's model key for rows on ``adapter`` (a cache computed
+        under one adapter never serves another)."""
+        return self.model_key if not adapter else f"{self.model_key}\0adapter:{adapter}"
+
+    def _fetch_memory(self, prompt: list[int], model_key: str | None = None) -> tuple[list[Any] | None, list[int]]:
+        """The memory tier's cache for ``prompt`` (a copy) under ``model_key``
+        (default: the base model's) and the tokens it leaves to compute."""
         from mlx_lm.models.cache import trim_prompt_cache
 
         if self.prefix_cache_bytes <= 0:
             return None, prompt
-        cache, rest = self.prefix_cache.fetch_nearest_cache(self.model_key, prompt)
+        cache, rest = self.prefix_cache.fetch_nearest_cache(model_key or self.model_key, prompt)
         if cache is None:
             return None, prompt
         if not rest:
@@ -446,7 +466,7 @@ class Worker:
         from .._mlx.prefix_cache import memory_served
 
         disk = self.disk
-        if disk is None:
+        if disk is None or job.adapter:  # the disk tier holds the base model's caches only
             return False
         prompt = job.prompt
         match = disk.nearest(prompt)
@@ -529,6 +549,7 @@ class Worker:
             logits_processors=procs,
             stop_at_eos=job.stop_at_eos,
             scores=scores,
+            adapter=job.adapter,
         )
         job.scores = scores
         job.uid = uid = MlxUid(inserted)
@@ -701,7 +722,7 @@ class Worker:
         elif reason is not None:
             self._forget(job)
             if self.caching and r.prompt_cache is not None and r.all_tokens is not None:
-                self._save_cache(r.all_tokens, r.prompt_cache)
+                self._save_cache(r.all_tokens, r.prompt_cache, job.adapter)
         if reason is not None:
             if reason == "stop" and job.pipeline.saw_tool_call:
                 reason = "tool_calls"
@@ -807,7 +828,7 @@ class Worker:
         self._prefill_ended(job)  # a leader leaving hands its parked jobs back to admission
         self.by_key.pop(job.key, None)
 
-    def _save_cache(self, tokens: list[int], cache: list[Any]) -> None:
+    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0) -> None:
         # mlx-lm extracts a finished row's cache lazily, as a copy of a slice of
         # the whole batch's buffer: evaluate it, or every entry keeps that buffer
         # alive and the byte budget (which counts the slice) means nothing.
@@ -815,9 +836,9 @@ class Worker:
         # queued on the stream, and the next step could not be built meanwhile.
         self.mx.async_eval([c.state for c in cache])
         if self.prefix_cache_bytes > 0:
-            self.prefix_cache.insert_cache(self.model_key, list(tokens), cache)
+            self.prefix_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)
             self._trim_memory()
-        if self.disk is not None:
+        if self.disk is not None and not adapter:
             # written by the disk tier's I/O thread once that evaluation is done
             from mlx_lm.models.cache import can_trim_prompt_cache
 
@@ -851,12 +872,12 @@ def _nothing() -> None:
 
 
 def _share_key(job: Job) -> tuple[int, ...] | None:
-    """What a job that may share its prefill is matched by (its prompt), or
-    None: a scored prompt needs its own prefill, a one-token prompt has
-    nothing to share."""
+    """What a job that may share its prefill is matched by (its adapter, then
+    its prompt), or None: a scored prompt needs its own prefill, a one-token
+    prompt has nothing to share."""
     if job.prompt_top_logprobs is not None or len(job.prompt) < 2:
         return None
-    return tuple(job.prompt)
+    return (job.adapter, *job.prompt)
 
 
 def _param_bytes(model: nn.Module) -> int:

@@ -20,6 +20,8 @@ steps the cache state is evaluated too (see there).  :func:`install` swaps the
 batch into a ``BatchGenerator`` (it keeps one decode batch for its whole life
 and extends it with each prefilled group).  :func:`occupancy` counts where a
 generator's sequences are, so no caller reads its private fields.
+Before each forward the rows' LoRA adapters are selected by their uids
+(``afm_core._mlx.lora.AdapterRows``), so they follow mlx-lm's inserts and filters.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import Sampler
+
+from .lora import AdapterRows
 
 __all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy"]
 
@@ -45,6 +49,8 @@ class EngineGenerationBatch(GenerationBatch):
     log-probabilities the engine reads."""
 
     logprob_uids: set[int]
+    adapters: AdapterRows | None = None
+    """The rows' LoRA adapters (``afm_core._mlx.lora``), selected for each step."""
     _steps = 0  # decode steps run; instances count from the class default
 
     def _step(self) -> tuple[list[int], list[Any]]:
@@ -53,7 +59,14 @@ class EngineGenerationBatch(GenerationBatch):
         self._current_tokens = inputs  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
 
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)
+        adapters = self.adapters
+        if adapters is not None:
+            adapters.select_rows(self.uids)
+        try:
+            logits = self.model(inputs[:, None], cache=self.prompt_cache)
+        finally:
+            if adapters is not None:
+                adapters.clear()
         logits = logits[:, -1, :]
 
         token_context = []
@@ -136,11 +149,13 @@ def occupancy(gen: BatchGenerator) -> Occupancy:
                      waiting=len(gen._unprocessed_sequences))
 
 
-def install(gen: BatchGenerator, logprob_uids: set[int]) -> None:
+def install(gen: BatchGenerator, logprob_uids: set[int], adapters: AdapterRows | None = None) -> None:
     """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
-    ``logprob_uids`` (a live set the caller keeps up to date)."""
+    ``logprob_uids`` (a live set the caller keeps up to date) and selecting
+    each row's LoRA adapter from ``adapters``."""
     if not occupancy(gen).empty:
         raise RuntimeError("install the engine batch before the first insert")
     batch = EngineGenerationBatch.empty(gen.model, gen.sampler)
     batch.logprob_uids = logprob_uids
+    batch.adapters = adapters
     gen._generation_batch = batch

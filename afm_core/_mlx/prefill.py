@@ -40,6 +40,10 @@ prefix cache), and the row's prefill waits for its own evaluations.
 the rows are merged into the decode batch.  The copy holds every prompt token
 but the last, as the row does then; the caller takes it out of ``prefilled``
 after the step and inserts the waiting requests with it.
+
+**LoRA adapters.**  With ``adapters`` (:class:`~afm_core._mlx.lora.AdapterRows`),
+each row's prompt chunks run with that row's adapter selected, and so does
+the first decode step mlx-lm's ``GenerationBatch`` runs as it is made.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from mlx_lm.generate import (
 )
 
 from .batch import Occupancy, install, occupancy
+from .lora import AdapterRows
 
 __all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
 
@@ -129,8 +134,10 @@ class EnginePromptBatch(PromptProcessingBatch):
 
     def __init__(self, model: Any, uids: list[int], caches: list[list[Any]], *,
                  scores: dict[int, PromptScores] | None = None, shared: set[int] | None = None,
-                 prefilled: dict[int, list[Any]] | None = None, **kw: Any) -> None:
+                 prefilled: dict[int, list[Any]] | None = None, adapters: AdapterRows | None = None,
+                 **kw: Any) -> None:
         super().__init__(model, uids, [], **kw)
+        self.adapters = adapters
         self.rows: list[list[Any]] = list(caches)
         self.scores: dict[int, PromptScores] = {} if scores is None else scores
         self.shared: set[int] = set() if shared is None else shared
@@ -163,22 +170,29 @@ class EnginePromptBatch(PromptProcessingBatch):
         for uid, cache, seen, ids in zip(self.uids, self.rows, self.tokens, tokens, strict=True):
             if ids:
                 # a scored row's cache starts empty: len(seen) is its position in the prompt
-                todo.append((cache, ids, scores.get(uid), len(seen)))
+                todo.append((uid, cache, ids, scores.get(uid), len(seen)))
             seen += ids  # the tokens each cache holds, as mlx-lm keeps them
         start = 0
+        adapters = self.adapters
         while todo:
             states: list[Any] = []
-            for cache, ids, scored, at in todo:
+            for uid, cache, ids, scored, at in todo:
                 chunk = ids[start : start + step]
-                if scored is not None:
-                    scored.score(self.model, chunk, cache, at + start)
-                    continue
-                self.model(mx.array(chunk)[None], cache=cache)
+                if adapters is not None:
+                    adapters.select_rows((uid,))
+                try:
+                    if scored is not None:
+                        scored.score(self.model, chunk, cache, at + start)
+                        continue
+                    self.model(mx.array(chunk)[None], cache=cache)
+                finally:
+                    if adapters is not None:
+                        adapters.clear()
                 states.extend(c.state for c in cache)
             mx.eval(states)
             mx.clear_cache()
             start += step
-            todo = [row for row in todo if len(row[1]) > start]
+            todo = [row for row in todo if len(row[2]) > start]
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         """Merge the rows into one batch cache and start decoding from each
@@ -191,18 +205,25 @@ class EnginePromptBatch(PromptProcessingBatch):
                     # before merging: the copy must not share arrays the decode batch writes
                     self.shared.discard(uid)
                     self.prefilled[uid] = copy.deepcopy(row)
-        batch = GenerationBatch(
-            self.model,
-            self.uids,
-            mx.array([t[-1] for t in tokens]),
-            _merge_caches(self.rows),
-            self.tokens,
-            self.samplers,
-            self.fallback_sampler,
-            self.logits_processors,
-            self.stop_sequences,
-            self.max_tokens,
-        )
+        adapters = self.adapters
+        if adapters is not None:  # mlx-lm's batch runs its first step as it is made
+            adapters.select_rows(self.uids)
+        try:
+            batch = GenerationBatch(
+                self.model,
+                self.uids,
+                mx.array([t[-1] for t in tokens]),
+                _merge_caches(self.rows),
+                self.tokens,
+                self.samplers,
+                self.fallback_sampler,
+                self.logits_processors,
+                self.stop_sequences,
+                self.max_tokens,
+            )
+        finally:
+            if adapters is not None:
+                adapters.clear()
         self.uids, self.rows, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens, self.stop_sequences = [], [], [], []
         return batch
@@ -220,9 +241,11 @@ class EngineBatchGenerator(BatchGenerator):
     leaves ``shared``.  The caller adds the uids, and empties ``prefilled``
     after each :meth:`next`."""
 
-    def __init__(self, model: Any, *, logprob_uids: set[int], **kw: Any) -> None:
+    def __init__(self, model: Any, *, logprob_uids: set[int], adapters: AdapterRows | None = None,
+                 **kw: Any) -> None:
         super().__init__(model, **kw)
-        install(self, logprob_uids)
+        self.adapters = adapters
+        install(self, logprob_uids, adapters)
         self.prompt_scores: dict[int, PromptScores] = {}
         self.shared: set[int] = set()
         self.prefilled: dict[int, list[Any]] = {}
@@ -231,11 +254,11 @@ class EngineBatchGenerator(BatchGenerator):
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
                                  fallback_sampler=self.sampler, scores=self.prompt_scores,
-                                 shared=self.shared, prefilled=self.prefilled, **kw)
+                                 shared=self.shared, prefilled=self.prefilled, adapters=self.adapters, **kw)
 
     def insert_one(self, prompt: list[int], *, max_tokens: int, cache: list[Any] | None,
                    all_tokens: list[int], sampler: Any, logits_processors: list[Any],
-                   stop_at_eos: bool = True, scores: PromptScores | None = None) -> int:
+                   stop_at_eos: bool = True, scores: PromptScores | None = None, adapter: int = 0) -> int:
         """Insert one sequence (mlx-lm's ``insert``) and return its uid.
 
         ``prompt`` is what is left to prefill after ``cache`` (holding
@@ -243,6 +266,9 @@ class EngineBatchGenerator(BatchGenerator):
         only; ``scores`` (whose ``tokens`` are the whole prompt, ``cache``
         then None) scores the prompt during prefill.  Its entry leaves
         ``prompt_scores`` with :meth:`remove` or :meth:`forget_scores`.
+        ``adapter`` (an index of ``adapters``, 0: none) is the LoRA adapter
+        the row runs with (see :mod:`afm_core._mlx.lora`), until :meth:`remove`
+        or :meth:`forget_scores`.
         """
         (uid,) = self.insert(
             [prompt], max_tokens=[max_tokens], caches=[cache] if cache is not None else None,
@@ -251,14 +277,24 @@ class EngineBatchGenerator(BatchGenerator):
         )
         if scores is not None:
             self.prompt_scores[uid] = scores
+        if adapter:
+            if self.adapters is None or not 0 < adapter <= len(self.adapters.names):
+                super().remove([uid])
+                raise ValueError(f"no adapter {adapter} in this generator")
+            self.adapters.of[uid] = adapter
         return int(uid)
 
     def forget_scores(self, uid: int) -> None:
+        """Drop what the generator keeps of a finished row (its scores, its adapter)."""
         self.prompt_scores.pop(uid, None)
+        if self.adapters is not None:
+            self.adapters.of.pop(uid, None)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         for uid in uids:
             self.prompt_scores.pop(uid, None)
+            if self.adapters is not None:
+                self.adapters.of.pop(uid, None)
             self.shared.discard(uid)
             self.prefilled.pop(uid, None)
         return super().remove(uids, return_prompt_caches)

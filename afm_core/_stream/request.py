@@ -247,6 +247,16 @@ def _logit_bias(raw: Any) -> dict[int, float]:
     return out
 
 
+def adapter_field(body: dict[str, Any]) -> str | None:
+    """The body's ``adapters`` (mlx_lm.server's field): one adapter's name, or None."""
+    v = body.get("adapters")
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]
+    if v is not None and (not isinstance(v, str) or not v):
+        raise err("'adapters' must be the name of one adapter", "adapters")
+    return v or None
+
+
 def _seed_and_top_k(body: dict[str, Any]) -> dict[str, Any]:
     """``seed`` and ``top_k`` of a chat or completions body (``top_k`` -1 or 0: off)."""
     s = seed(body)
@@ -301,6 +311,10 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_thinking: bool | None = None
     reasoning_effort: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter to run with, by its served name (``adapters`` in the
+    body, as mlx_lm.server's); a ``model`` of the form ``base:name`` names
+    one too (the engine resolves both: ``EngineConfig.adapters``)."""
     n: int = 1
     """Choices asked for.  The engine runs a request as one choice whatever its
     ``n``: open one stream per :meth:`per_choice` request (the HTTP layer does)."""
@@ -351,6 +365,7 @@ class ChatRequest:
         return cls(
             messages=messages,
             model=model,
+            adapter=adapter_field(body),
             stream=stream,
             include_usage=usage,
             include_progress=progress,
@@ -472,6 +487,8 @@ class CompletionRequest:
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     add_special_tokens: bool = True
+    adapter: str | None = None
+    """The LoRA adapter to run with (see :attr:`ChatRequest.adapter`)."""
 
     @classmethod
     def from_openai(cls, body: Any, prompt: Prompt) -> CompletionRequest:
@@ -499,6 +516,7 @@ class CompletionRequest:
         return cls(
             prompt=prompt,
             model=model,
+            adapter=adapter_field(body),
             suffix=suffix,
             max_tokens=integer(body, "max_tokens", 0, MAX_INT, 16),
             **seed_and_top_k,

@@ -1,9 +1,10 @@
-"""Offline test models: random tiny qwen3 models and the echo model."""
+"""Offline test models: random tiny qwen3 models, the echo model and LoRA adapters for them."""
 
 from __future__ import annotations
 
 from ._factory import make_echo_model as make_echo_model
 from ._factory import make_random_model as make_random_model
+from ._lora import make_lora_adapter as make_lora_adapter
 from ._tokenizer import train_tokenizer as train_tokenizer
 
-__all__ = ["make_echo_model", "make_random_model", "train_tokenizer"]
+__all__ = ["make_echo_model", "make_lora_adapter", "make_random_model", "train_tokenizer"]
