@@ -146,9 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "beyond (default: 8 GiB)")
     engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, metavar="{4,8}",
                         help="quantize the KV cache to 8 or 4 bits per element from the first token "
-                             "(mlx-lm's QuantizedKVCache, batched): about 3x (8) or 5x (4) less KV "
-                             "memory per token than float32 for slower decode steps and greedy output "
-                             "that can drift from float's; --cache-dir entries are kept per setting "
+                             "(mlx-lm's QuantizedKVCache, batched): 28%% (8) or 16%% (4) of float32's KV "
+                             "bytes per token, for slower decode steps and greedy output that can "
+                             "drift from float's; --cache-dir entries are kept per setting "
                              "(not with --distributed; default: float)")
     engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, metavar="{32,64,128}",
                         help="elements per scale and bias of the quantized KV cache; must divide the "

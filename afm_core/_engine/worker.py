@@ -39,6 +39,12 @@ entry to be read (by the disk tier's I/O thread, while the batch keeps
 decoding; ``loading``); the entry then moves into the memory tier and the
 job is inserted with its copy.  A file that turns out corrupt is deleted and
 the job falls back to the memory tier's answer.
+
+**A quantized KV cache** (``kv_bits``): every row starts on a quantized
+cache (``EngineBatchGenerator.new_cache``), so the batch, both tiers' entries
+and the shared-prefill copies hold the same format; the disk tier's
+fingerprint includes it (``kv_format``), so entries of another setting are
+never read.
 """
 
 from __future__ import annotations
