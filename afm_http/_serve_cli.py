@@ -145,6 +145,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cache-disk-bytes", type=_int_at_least(0), default=8 << 30, metavar="N",
                         help="bytes --cache-dir may use; the least recently used entries are deleted "
                              "beyond (default: 8 GiB)")
+    engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, metavar="{4,8}",
+                        help="quantize the KV cache to 8 or 4 bits per element from the first token "
+                             "(mlx-lm's QuantizedKVCache, batched): 28%% (8) or 16%% (4) of float32's KV "
+                             "bytes per token, for slower decode steps and greedy output that can "
+                             "drift from float's; --cache-dir entries are kept per setting "
+                             "(not with --distributed; default: float)")
+    engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, metavar="{32,64,128}",
+                        help="elements per scale and bias of the quantized KV cache; must divide the "
+                             "model's head size (default: 64)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
                         help="cap for requests without max_tokens (default: the rest of the context)")
     engine.add_argument("--no-grammar", action="store_true",
@@ -238,6 +247,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
                         prefix_cache_bytes=args.prefix_cache_bytes,
                         cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                         default_max_tokens=args.default_max_tokens,
                         grammar=not args.no_grammar,
                         warmup=not args.no_warmup,
@@ -352,6 +362,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_dir is not None and args.distributed is not None:
         _say("--cache-dir cannot be used with --distributed: each rank holds only its shard of "
              "every cached prefix (the memory tier works on every rank)")
+        return 1
+    if args.kv_bits is not None and args.distributed is not None:
+        _say("--kv-bits cannot be used with --distributed: the sharded model's ranks keep float "
+             "KV caches of their own")
         return 1
     if (status := _distributed.follow(args)) is not None:
         return status  # a rank other than 0 of --distributed: it followed rank 0's steps

@@ -154,6 +154,23 @@ class EngineConfig:
     the pooling of decoder-only embedding models such as Qwen3-Embedding) or
     ``cls`` (the first token's).  Which one fits depends on how the model
     was trained; a chat model gives usable but not tuned embeddings with any."""
+    kv_bits: int | None = None
+    """Quantize the KV cache to this many bits per element (8 or 4; mlx-lm's
+    ``QuantizedKVCache`` format, batched by ``afm_core._mlx.quantized_cache``)
+    from every sequence's first token; None (the default) keeps it in the
+    model's float type.  8 bits hold a token's keys and values in 28% of
+    float32's bytes (53% of bfloat16's), 4 bits in 16% (31%), so more and longer
+    streams (and more prefix-cache entries) fit the same memory; attention
+    then reads quantized keys and values (a small change in the logits: the
+    greedy output may differ from float's after some tokens, more often with
+    4 bits), and on the CPU each decode step is slower.  Entries of the
+    prefix cache's disk tier are only served to an engine with the same
+    setting.  A model with other than plain KV layers (sliding windows,
+    recurrent state) cannot be quantized: the engine does not start.  Not
+    with ``distributed``."""
+    kv_group_size: int = 64
+    """Elements sharing one scale and bias in the quantized KV cache (32, 64
+    or 128; must divide the model's head size); only with ``kv_bits``."""
 
     adapters: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the model, as ``(name, directory)`` pairs
@@ -175,6 +192,13 @@ class EngineConfig:
             raise ValueError("embedding_pooling must be 'mean', 'last' or 'cls'")
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise ValueError("kv_bits must be 4, 8 or None (a float KV cache)")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ValueError("kv_group_size must be 32, 64 or 128")
+        if self.kv_bits is not None and self.distributed is not None:
+            # the sharded generator and its followers build float caches of their own
+            raise ValueError("kv_bits (a quantized KV cache) cannot be used with distributed")
         if self.cache_disk_bytes < 0:
             raise ValueError("cache_disk_bytes must be >= 0")
         names = [name for name, _ in self.adapters]

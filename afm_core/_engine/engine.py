@@ -135,6 +135,11 @@ class EngineStatistics:
     prefix_cache_disk_dropped_writes: int = 0
     """Writes given up (superseded by a longer entry before they began, more
     pending than the disk keeps up with, or failed)."""
+    kv_bits: int | None = None
+    """Bits per element of the KV cache (``EngineConfig.kv_bits``: 8 or 4,
+    quantized); None: float."""
+    kv_group_size: int | None = None
+    """Elements per scale of the quantized KV cache; None with a float one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +356,7 @@ class Engine:
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
                     adapters=adapters,
+                    kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -745,6 +751,8 @@ class Engine:
             embedding_tokens=self._embedding_tokens,
             embeddings_active=self._embedding_calls,
             prefix_cache_memory_misses=ws.prefix_cache_lookups - ws.prefix_cache_memory_hits,
+            kv_bits=self.config.kv_bits,
+            kv_group_size=self.config.kv_group_size if self.config.kv_bits is not None else None,
         )
 
     # -- internals -------------------------------------------------------------

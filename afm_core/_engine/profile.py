@@ -22,6 +22,11 @@ prefix_tier            text    which tier of the prefix cache served the
                                back from ``cache_dir``), or null (none)
 memory_weights_gib     GiB     bytes of the model's parameters
 memory_kv_gib          GiB     bytes of this request's KV cache at the end
+                               (estimated from the model's config and
+                               ``kv_bits``)
+kv_bits                bits    bits per element of the KV cache
+                               (``EngineConfig.kv_bits``: 8 or 4, quantized),
+                               or null: float
 memory_active_gib      GiB     ``mx.get_active_memory()`` at the end
 memory_peak_gib        GiB     ``mx.get_peak_memory()`` (process peak)
 chip                   text    Apple chip name, else the CPU model from
@@ -146,6 +151,7 @@ class ProfileRecorder:
         peak_bytes: int,
         device: str,
         blas: str = "",
+        kv_bits: int | None = None,
     ) -> dict[str, Any]:
         now = time.perf_counter()
         t_first = self.t_first or now
@@ -166,6 +172,7 @@ class ProfileRecorder:
             "completion_tokens": completion_tokens,
             "memory_weights_gib": _r(weights_bytes / GIB, 4),
             "memory_kv_gib": _r(kv_bytes / GIB, 6),
+            "kv_bits": kv_bits,
             "memory_active_gib": _r(active_bytes / GIB, 4),
             "memory_peak_gib": _r(peak_bytes / GIB, 4),
             "chip": chip,

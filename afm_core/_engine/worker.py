@@ -47,6 +47,12 @@ under one adapter never serves another: the memory tier's entries are keyed
 by adapter (``_cache_key``), a job parks only on a leader with the same
 adapter (``_share_key``), and the disk tier reads and writes the base
 model's caches only.
+
+**A quantized KV cache** (``kv_bits``): every row starts on a quantized
+cache (``EngineBatchGenerator.new_cache``), so the batch, both tiers' entries
+and the shared-prefill copies hold the same format; the disk tier's
+fingerprint includes it (``kv_format``), so entries of another setting are
+never read.
 """
 
 from __future__ import annotations
@@ -164,6 +170,8 @@ class Worker:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int = 0,
         adapters: AdapterRows | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
         self.adapters = adapters
@@ -176,6 +184,8 @@ class Worker:
         self.model_key = model_key
         self.cache_dir = cache_dir
         self.cache_disk_bytes = cache_disk_bytes
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         self.disk: DiskPromptCache | None = None
         self.loading: dict[JobKey, tuple[Job, DiskMatch]] = {}  # jobs waiting for a disk read
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -246,12 +256,14 @@ class Worker:
             prefill_batch_size=min(self.prefill_batch, self.max_batch),
             prefill_step_size=self.prefill_step,
             stream=self.stream,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
         )
         self.prefix_cache: LRUPromptCache = self._new_prefix_cache()
         if self.cache_dir is not None and self.disk is None:
             from .._mlx.disk_cache import DiskPromptCache, model_fingerprint
 
-            self.disk = DiskPromptCache(self.cache_dir, self.cache_disk_bytes, model_fingerprint(self.model_key),
+            self.disk = DiskPromptCache(self.cache_dir, self.cache_disk_bytes, model_fingerprint(self.model_key, self.kv_format),
                                         wake=self._wake)
         self.samplers: SamplerCache = SamplerCache()
         self.eos = set(eos)
@@ -267,6 +279,11 @@ class Worker:
         """(From the disk tier's I/O thread.)  Some disk work is done: an idle
         loop wakes up to collect it."""
         self.commands.put(Sync(_nothing))
+
+    @property
+    def kv_format(self) -> str:
+        """The KV cache's format, ``""`` (float) or e.g. ``"q8g64"`` (see ``model_fingerprint``)."""
+        return "" if self.kv_bits is None else f"q{self.kv_bits}g{self.kv_group_size}"
 
     @property
     def caching(self) -> bool:
@@ -791,7 +808,8 @@ class Worker:
         events.append(usage)
         if job.profile is not None:
             mx = self.mx
-            kv = _kv_bytes_per_token(self.model) * (len(job.prompt) + job.completion_tokens)
+            per_token = _kv_bytes_per_token(self.model, self.kv_bits, self.kv_group_size)
+            kv = per_token * (len(job.prompt) + job.completion_tokens)
             payload = job.profile.payload(
                 prompt_tokens=len(job.prompt),
                 cached_tokens=job.cached_tokens,
@@ -802,6 +820,7 @@ class Worker:
                 peak_bytes=mx.get_peak_memory(),
                 device=self.device,
                 blas=self.blas,
+                kv_bits=self.kv_bits,
             )
             events.append(Profile(payload, job.profile.extended))
         return events
@@ -893,8 +912,10 @@ def _vocab_size(model: nn.Module) -> int:
     return int(getattr(args, "vocab_size", 0) or 1 << 30)
 
 
-def _kv_bytes_per_token(model: nn.Module) -> int:
-    """K and V bytes one token adds to the cache (float32 estimate from the config)."""
+def _kv_bytes_per_token(model: nn.Module, kv_bits: int | None = None, group_size: int = 64) -> int:
+    """K and V bytes one token adds to the cache (estimate from the config:
+    float32, or ``kv_bits`` per element plus a float32 scale and bias per
+    ``group_size`` elements)."""
     args = getattr(model, "args", None)
     if args is None:
         return 0
@@ -903,4 +924,5 @@ def _kv_bytes_per_token(model: nn.Module) -> int:
     hidden = getattr(args, "hidden_size", 0) or 0
     n_heads = getattr(args, "num_attention_heads", 0) or 1
     head_dim = getattr(args, "head_dim", None) or (hidden // n_heads if hidden else 0)
-    return int(2 * layers * heads * head_dim * 4)
+    per_element = 4.0 if kv_bits is None else kv_bits / 8 + 2 * 4 / group_size
+    return int(2 * layers * heads * head_dim * per_element)

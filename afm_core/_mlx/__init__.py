@@ -12,7 +12,10 @@ written and read by a background I/O thread), fused CPU kernels and matmul-frien
 (:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
 Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`),
 embeddings pooled from the model body's final hidden states
-(:mod:`.embeddings`, which calls mlx-lm's ``model.model``), and the batch
+(:mod:`.embeddings`, which calls mlx-lm's ``model.model``), a quantized KV cache
+that batches (:mod:`.quantized_cache`: mlx-lm's ``QuantizedKVCache`` rows
+and a ``BatchKVCache`` counterpart over its quantized triples, for
+``kv_bits``), and the batch
 generator of a model sharded over an ``mx.distributed`` group, whose tokens
 are sampled on rank 0 and shared (:mod:`.distributed`).
 

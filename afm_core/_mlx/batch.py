@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import Sampler
 
@@ -102,7 +103,9 @@ class EngineGenerationBatch(GenerationBatch):
         return tokens, self._current_logprobs
 
     def _cache_state(self) -> list[mx.array]:
-        return [x for c in self.prompt_cache for x in c.state if isinstance(x, mx.array)]
+        # a quantized cache's keys and values are (data, scales, biases) triples
+        flat: list[tuple[str, Any]] = tree_flatten([c.state for c in self.prompt_cache])  # type: ignore[assignment]
+        return [x for _, x in flat if isinstance(x, mx.array)]
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One sampler call per distinct sampler object, results in row order."""

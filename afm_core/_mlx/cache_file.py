@@ -6,7 +6,9 @@ non-array state (offsets, sizes) as small arrays, and the metadata
 ``[metadata, classes, scalars]`` flattened into string pairs), so
 ``load_prompt_cache`` and ``mx.load`` read it too.  afm's own fields sit in
 the ``metadata`` dict (``0.afm_kv``, ``0.model``, ``0.tokens``,
-``0.trimmable``, ``0.checksum``).
+``0.trimmable``, ``0.checksum``).  A quantized cache (``EngineConfig.kv_bits``)
+is mlx-lm's ``QuantizedKVCache`` state: each layer's keys and values as
+``(data, scales, biases)`` arrays, then its offset, group size and bits.
 
 Why not ``mx.save_safetensors``: the file is written on a background thread,
 and an MLX call there could need a stream (a non-contiguous array is copied
@@ -294,6 +296,8 @@ def build_cache(arrays: dict[str, Any], classes: list[str], scalars: list[Any]) 
     from mlx.utils import tree_unflatten
     from mlx_lm.models import cache as cache_module
 
+    from .quantized_cache import QuantizedKVCache
+
     values: dict[str, Any] = {name: (a.view(mx.bfloat16) if bf16 else a) for name, (a, bf16) in arrays.items()}
     for pos, kind in scalars[1:]:
         array = values[pos]
@@ -308,7 +312,8 @@ def build_cache(arrays: dict[str, Any], classes: list[str], scalars: list[Any]) 
     states = tree_unflatten(list(values.items()))
     built = []
     for name, state in zip(classes, states, strict=True):
-        cls = getattr(cache_module, name, None)
+        # afm's batchable subclass under mlx-lm's name (see .quantized_cache)
+        cls = QuantizedKVCache if name == "QuantizedKVCache" else getattr(cache_module, name, None)
         if not (isinstance(cls, type) and issubclass(cls, cache_module._BaseCache)):
             raise CorruptEntry(f"unknown cache class {name!r}")
         built.append(cls.from_state(state))

@@ -25,7 +25,8 @@ so no file operation runs between two decode steps.
   (corrupt, truncated, gone) is deleted and leaves the index: never served.
   Reads go before queued writes.
 * **At start** the directory is scanned: every entry file's header (token
-  ids, model fingerprint, length) is read; entries of another model are left
+  ids, model fingerprint, length) is read; entries of another model (or of
+  another KV-cache format, ``kv_bits``: the fingerprint covers it) are left
   alone and not counted; a truncated or unreadable entry file is deleted;
   the order of use is the files' modification times (a hit touches its file).
   Temporary files of writes a killed process left are deleted.
@@ -73,13 +74,18 @@ _MAX_PENDING_WRITE_BYTES = 1 << 30
 write is dropped (the disk is slower than requests finish)."""
 
 
-def model_fingerprint(model_key: str) -> str:
+def model_fingerprint(model_key: str, kv_format: str = "") -> str:
     """What a cache entry must have been computed by to be served: the model
     directory's path, its ``config.json`` and its weight files' names, sizes
     and modification times (a model rebuilt at the same path is another
-    model), or ``model_key`` itself when it is no directory."""
+    model), or ``model_key`` itself when it is no directory; and the cache's
+    format, ``kv_format`` (``""``: float, as before it existed; ``"q8g64"``:
+    ``kv_bits`` 8, ``kv_group_size`` 64), so an engine never reads an entry
+    quantized otherwise than its own rows: to it that is another model's."""
     path = Path(model_key)
     h = hashlib.sha256(str(path.resolve() if path.exists() else model_key).encode())
+    if kv_format:
+        h.update(f"\nkv:{kv_format}".encode())
     if path.is_dir():
         config = path / "config.json"
         if config.is_file():

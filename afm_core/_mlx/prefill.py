@@ -61,9 +61,11 @@ from mlx_lm.generate import (
     StopSequences,
     _merge_caches,
 )
+from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Occupancy, install, occupancy
 from .lora import AdapterRows
+from .quantized_cache import check_quantizable, make_quantized_cache
 
 __all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
 
@@ -235,6 +237,10 @@ class EngineBatchGenerator(BatchGenerator):
     :func:`afm_core._mlx.batch.install`).  ``prompt_scores`` holds the rows
     whose prompts are scored, by uid (see :meth:`insert_one`).
 
+    With ``kv_bits`` (4 or 8) every row's cache is quantized from its first
+    token (:mod:`.quantized_cache`, ``kv_group_size`` elements per scale);
+    a model whose cache cannot be is refused here (ValueError).
+
     ``shared`` holds the uids of rows whose prefilled cache other requests
     wait for: when such a row's prefill ends, a deep copy of its cache
     (every prompt token but the last) lands in ``prefilled[uid]`` and the uid
@@ -242,10 +248,14 @@ class EngineBatchGenerator(BatchGenerator):
     after each :meth:`next`."""
 
     def __init__(self, model: Any, *, logprob_uids: set[int], adapters: AdapterRows | None = None,
-                 **kw: Any) -> None:
+                 kv_bits: int | None = None, kv_group_size: int = 64, **kw: Any) -> None:
         super().__init__(model, **kw)
         self.adapters = adapters
         install(self, logprob_uids, adapters)
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        if kv_bits is not None:
+            check_quantizable(model, kv_group_size)
         self.prompt_scores: dict[int, PromptScores] = {}
         self.shared: set[int] = set()
         self.prefilled: dict[int, list[Any]] = {}
@@ -269,7 +279,10 @@ class EngineBatchGenerator(BatchGenerator):
         ``adapter`` (an index of ``adapters``, 0: none) is the LoRA adapter
         the row runs with (see :mod:`afm_core._mlx.lora`), until :meth:`remove`
         or :meth:`forget_scores`.
+        Without ``cache`` the row starts on :meth:`new_cache`.
         """
+        if cache is None and self.kv_bits is not None:
+            cache = self.new_cache()
         (uid,) = self.insert(
             [prompt], max_tokens=[max_tokens], caches=[cache] if cache is not None else None,
             all_tokens=[all_tokens], samplers=[sampler], logits_processors=[logits_processors],
@@ -283,6 +296,13 @@ class EngineBatchGenerator(BatchGenerator):
                 raise ValueError(f"no adapter {adapter} in this generator")
             self.adapters.of[uid] = adapter
         return int(uid)
+
+    def new_cache(self) -> list[Any]:
+        """An empty single-sequence cache for a row: mlx-lm's, or with
+        ``kv_bits`` a quantized one (:mod:`.quantized_cache`)."""
+        if self.kv_bits is None:
+            return list(make_prompt_cache(self.model))
+        return make_quantized_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
 
     def forget_scores(self, uid: int) -> None:
         """Drop what the generator keeps of a finished row (its scores, its adapter)."""

@@ -7,7 +7,8 @@ the reason in ``"error"``) if the generation thread died (or, under
 and time left) while the replica drains.  With several models, ``"models"`` gives
 each one's state; a model not loaded (it loads on first use) leaves the server
 ready, and the counts add up every loaded model's (with one model the
-answer is as it always was, without ``"models"``).  ``GET /metrics`` is
+answer is as it always was, without ``"models"``).  With ``--kv-bits``,
+``"kv_cache"`` says the KV cache is quantized (``{"bits": 8, "group_size": 64}``).  ``GET /metrics`` is
 Prometheus text (per-model load state, loads, unloads and load seconds too).
 
 ``POST /admin/drain`` (body optional: ``{"timeout": S}``, default
@@ -51,8 +52,11 @@ async def health() -> Response:
     drain = state.draining.status()
     info = runtime_info()
     status = "unavailable" if not ok else "draining" if drain is not None else "ok"
-    several = {"models": {row.id: row.state for row, _ in state.models.rows()}} \
+    several: dict[str, object] = {"models": {row.id: row.state for row, _ in state.models.rows()}} \
         if state.models.strict else {}
+    config = state.models.config
+    if config.kv_bits is not None:  # a quantized KV cache (--kv-bits); absent: float
+        several["kv_cache"] = {"bits": config.kv_bits, "group_size": config.kv_group_size}
     return json_response({"status": status, "model": state.models.default_id,
                           "running": sum(s.running for s in served),
                           "waiting": sum(s.waiting for s in served),

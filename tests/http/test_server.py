@@ -38,6 +38,23 @@ def test_cli_defaults_are_safe() -> None:
         build_parser("serve").parse_args(["serve", "--port", "70000"])
 
 
+def test_cli_kv_bits(capsys: pytest.CaptureFixture[str]) -> None:
+    from afm_http._serve_cli import _engine_config, run
+
+    args = build_parser("serve").parse_args(["serve"])
+    assert (args.kv_bits, args.kv_group_size) == (None, 64)
+    args = build_parser("serve").parse_args(["serve", "--kv-bits", "4", "--kv-group-size", "32"])
+    config = _engine_config(args)
+    assert (config.kv_bits, config.kv_group_size) == (4, 32)
+    for bad in (["--kv-bits", "3"], ["--kv-bits", "16"], ["--kv-bits", "8", "--kv-group-size", "48"]):
+        with pytest.raises(SystemExit):
+            build_parser("serve").parse_args(["serve", *bad])
+        assert "invalid choice" in capsys.readouterr().err
+    args = build_parser("serve").parse_args(["serve", "--kv-bits", "8", "--distributed", "tensor"])
+    assert run(args) == 1
+    assert "--kv-bits cannot be used with --distributed" in capsys.readouterr().err
+
+
 class _Server(LoggedProcess):
     """``afm serve`` in a subprocess; stderr lines collected by a thread."""
 
