@@ -135,6 +135,14 @@ class EngineStatistics:
     prefix_cache_disk_dropped_writes: int = 0
     """Writes given up (superseded by a longer entry before they began, more
     pending than the disk keeps up with, or failed)."""
+    spec_steps: int = 0
+    """Verify steps of speculative decoding (``EngineConfig.prompt_lookup``,
+    ``draft_model``): steps that checked proposed tokens."""
+    spec_proposed: int = 0
+    """Tokens proposed in them."""
+    spec_accepted: int = 0
+    """Proposed tokens the model agreed with, each emitted without a step of
+    its own (acceptance rate: ``spec_accepted / spec_proposed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,12 +338,16 @@ class Engine:
                 model, tokenizer, info = _distributed.load(path, self.config.distributed)
                 if self.config.cpu_fusion:
                     fuse_for_cpu(model)
+                draft = _load_draft(self.config.draft_model, tokenizer, self.config.cpu_fusion) \
+                    if self.config.draft_model is not None and self.config.spec_max_batch else None
                 tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = _distributed.worker_factory(self.config.distributed)(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
+                    prompt_lookup=self.config.prompt_lookup, draft=draft,
+                    draft_tokens=self.config.draft_tokens, spec_max_batch=self.config.spec_max_batch,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -350,7 +362,9 @@ class Engine:
                 worker.fatal = exc
                 worker.run_failed(exc)
             finally:
-                unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
+                unfuse_cpu_kernels(model)
+                if draft is not None:
+                    unfuse_cpu_kernels(draft)  # frees the kernels' traces from this thread's cache
 
         thread = run_on_generation_thread(thread_main)
         try:
@@ -794,6 +808,22 @@ _WORKER_COUNTERS = tuple(
     f.name for f in fields(EngineStatistics)
     if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
 """The statistics the generation thread counts (``WorkerStats``), copied by name."""
+
+
+def _load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
+    """The draft model of speculative decoding (on the generation thread),
+    fused like the model; its vocabulary must be the model's."""
+    from .._mlx.fusion import fuse_for_cpu
+    from .._models.loader import load
+    from .._models.resolve import resolve_model
+
+    draft, draft_tokenizer, _ = load(resolve_model(str(spec)))
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ModelLoadError(f"the draft model {spec} has another vocabulary "
+                             f"({draft_tokenizer.vocab_size} tokens, the model {tokenizer.vocab_size})")
+    if fuse:
+        fuse_for_cpu(draft)
+    return draft
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:

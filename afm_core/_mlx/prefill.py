@@ -59,6 +59,7 @@ from mlx_lm.generate import (
 )
 
 from .batch import Occupancy, install, occupancy
+from .speculative import Speculation
 
 __all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
 
@@ -210,8 +211,9 @@ class EnginePromptBatch(PromptProcessingBatch):
 
 class EngineBatchGenerator(BatchGenerator):
     """mlx-lm's ``BatchGenerator`` prefilling with :class:`EnginePromptBatch`
-    and decoding with the engine's batch reading ``logprob_uids`` (see
-    :func:`afm_core._mlx.batch.install`).  ``prompt_scores`` holds the rows
+    and decoding with the engine's batch reading ``logprob_uids`` and
+    speculating with ``speculation`` if given (see
+    :func:`afm_core._mlx.batch.install`, :mod:`afm_core._mlx.speculative`).  ``prompt_scores`` holds the rows
     whose prompts are scored, by uid (see :meth:`insert_one`).
 
     ``shared`` holds the uids of rows whose prefilled cache other requests
@@ -220,9 +222,11 @@ class EngineBatchGenerator(BatchGenerator):
     leaves ``shared``.  The caller adds the uids, and empties ``prefilled``
     after each :meth:`next`."""
 
-    def __init__(self, model: Any, *, logprob_uids: set[int], **kw: Any) -> None:
+    def __init__(self, model: Any, *, logprob_uids: set[int], speculation: Speculation | None = None,
+                 **kw: Any) -> None:
         super().__init__(model, **kw)
-        install(self, logprob_uids)
+        install(self, logprob_uids, speculation)
+        self.speculation = speculation
         self.prompt_scores: dict[int, PromptScores] = {}
         self.shared: set[int] = set()
         self.prefilled: dict[int, list[Any]] = {}

@@ -11,8 +11,8 @@ puts a large logit on the token to copy next (``scale`` from the weights).
 The chat-structure markers are token id sequences stored in ``config.json``
 by the factory (``afm_core.testing.make_echo_model``), so the module holds no
 tokenizer.  Token id 0 (``<|endoftext|>``, the padding id) is never echoed.
-Only the last position's logits are returned (shape ``[B, 1, V]``), which is
-all mlx-lm's generators read.
+The logits of every input position are returned (shape ``[B, L, V]``), as a
+transformer's are (speculative decoding reads them all).
 """
 
 from __future__ import annotations
@@ -117,12 +117,19 @@ class Model(nn.Module):
         layer_cache = cache[0] if cache is not None else None
         stored = self.layers[0](inputs, layer_cache)
         rows = np.asarray(stored[:, 0, :, 0]).astype(np.int64) - 1
+        # a batch cache's left padding is not the row's (it may hold stale ids
+        # once speculative decoding has rolled rejected positions into it)
+        padding = getattr(layer_cache, "left_padding", None)
+        pads = np.asarray(padding).tolist() if padding is not None else [0] * len(rows)
+        length = inputs.shape[1]
         targets = []
-        for row in rows:
-            seq = [int(t) for t in row if t > 0]
-            targets.append(self.next_token(seq))
+        for row, pad in zip(rows, pads, strict=True):
+            seq = [int(t) for t in row[pad:] if t > 0]
+            # the next token after each input position (speculative decoding reads them all)
+            cut = len(seq) - length
+            targets.append([self.next_token(seq[: cut + p + 1]) for p in range(length)])
         vocab = mx.arange(self.args.vocab_size)[None, None, :]
-        target = mx.array(targets)[:, None, None]
+        target = mx.array(targets)[:, :, None]
         return mx.where(vocab == target, self.scale, -self.scale).astype(mx.float32)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

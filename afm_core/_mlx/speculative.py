@@ -1,0 +1,302 @@
+"""Speculative decoding inside the engine's decode batch.
+
+A *proposer* guesses the next few tokens of a row; one forward pass of the
+target model over ``[current token, guess_1 .. guess_k]`` (the *verify step*)
+gives the target's own choice at each of those positions, and the longest
+prefix of the guess the target agrees with is emitted at once, with the
+target's token after it.  Output is the target's greedy output; on this
+CPU a forward of k+1 tokens costs much less than k+1 single-token steps (a
+small model's step is mostly per-operation overhead), so every accepted
+guess is a step saved.
+
+Two proposers (one per engine, behind the same verify step):
+
+* :class:`PromptLookup`: the last ``n`` tokens of the row (its prompt and
+  output), found earlier in the same row (``n`` from ``NGRAM_MAX`` down to
+  ``NGRAM_MIN``; the latest match with ``k`` tokens after it, else the one
+  with the most), propose the tokens that followed them there.  No model, no state; nothing proposed (no cost) when nothing matches.
+* :class:`DraftModel`: a smaller model with the same tokenizer proposes its
+  own greedy continuation, one single-token step of the draft per proposed
+  token.  Each row has its own draft cache (single-sequence, mlx-lm's
+  ``make_prompt_cache``), keyed by the row's uid, filled lazily with the
+  row's tokens when it first speculates, trimmed back to what the target
+  accepted after every verify step, and dropped when the row leaves the
+  batch (:meth:`Speculation.retain`, from the batch's ``filter``).
+
+**When a step speculates** (:meth:`Speculation.step`): the decode batch has
+at most ``max_batch`` rows, every layer's cache is mlx-lm's
+``BatchKVCache`` (trimmable), and at least one row is *eligible* and got a
+proposal.  A row is eligible when its sampler is greedy
+(``temperature`` 0), it has no logits processors (grammar, penalties,
+``logit_bias``) and its log-probabilities are not read: for those rows the
+target's choice is an ``argmax`` that does not depend on what the row
+generated before within the step.  The other rows of the batch still run in
+the verify pass, with nothing proposed: their position 0 goes through the
+batch's normal processors, log-probabilities and sampler, exactly as in a
+plain step, so a batch never has to choose between speculation and its
+other requests.  Above ``max_batch`` rows the plain batched step runs; the
+choice is made again before every step.
+
+**The cache after a verify step.**  Every row computed ``1 + K`` positions
+(``K`` the longest proposal; shorter ones are padded); row ``i`` keeps ``1 +
+a_i`` (``a_i`` accepted).  All rows are trimmed by the smallest surplus
+(``BatchKVCache.trim``); a row with more surplus is rolled right by the rest,
+which becomes left padding (mlx-lm's own ``prepare(right_padding=...)`` /
+``finalize()``, as after its right-padded prefill).
+
+**Emission.**  A row's accepted tokens come back from the batch's ``next``
+as several ``GenerationBatch.Response`` of the same uid, in order, each
+passing the row's ``max_tokens`` and stop matcher as a plain step's token
+does; a row that finishes within them drops the rest (and its saved cache
+is trimmed to the tokens it emitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+if TYPE_CHECKING:
+    from .batch import EngineGenerationBatch
+
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup", "Proposer", "Speculation"]
+
+NGRAM_MAX = 3
+"""Longest suffix :class:`PromptLookup` looks for."""
+NGRAM_MIN = 2
+"""Shortest: one token alone matches too often to guess well."""
+
+
+class Proposer(Protocol):
+    """Guesses up to ``k`` tokens after ``tokens`` (a row's prompt and output)."""
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]: ...
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        """The target accepted ``accepted`` of the ``proposed`` tokens guessed
+        after ``n_tokens`` tokens."""
+
+    def retain(self, uids: Iterable[int]) -> None:
+        """Only ``uids`` are still in the batch."""
+
+
+class PromptLookup:
+    """N-gram lookup in the row's own tokens (see the module docstring)."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]:
+        return lookup(tokens, k, self.ngram_max, self.ngram_min)
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        pass
+
+    def retain(self, uids: Iterable[int]) -> None:
+        pass
+
+
+def lookup(tokens: list[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``tokens`` (``ngram_max`` down to ``ngram_min`` long)."""
+    n_all = len(tokens)
+    if k <= 0 or n_all <= ngram_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    # where the last token occurred before (with a token after it), latest first
+    ends = np.flatnonzero(arr[:-1] == arr[-1])[::-1]
+    for n in range(min(ngram_max, n_all - 1), ngram_min - 1, -1):
+        suffix = arr[n_all - n:]
+        best = -1
+        for e in ends.tolist():
+            if e - n + 1 < 0 or not np.array_equal(arr[e - n + 1 : e + 1], suffix):
+                continue
+            if best < 0 or n_all - 1 - e > n_all - 1 - best:
+                best = e  # the latest match with the most tokens after it (up to k)
+            if n_all - 1 - e >= k:
+                break
+        if best >= 0:
+            return [int(t) for t in arr[best + 1 : best + 1 + k]]
+    return []
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    cache: list[Any]
+    n: int = 0
+    """Tokens of the row the cache holds (a prefix of the row's tokens)."""
+
+
+class DraftModel:
+    """A smaller model's greedy guess (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.rows: dict[int, _DraftRow] = {}
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]:
+        row = self.rows.get(uid)
+        if row is None:
+            row = self.rows[uid] = _DraftRow(make_prompt_cache(self.model))
+        if k <= 0:
+            return []
+        y = mx.array(tokens[row.n :], dtype=mx.uint32)[None]
+        out: list[int] = []
+        for j in range(k):
+            logits = self.model(y, cache=row.cache)[:, -1, :]
+            t = mx.argmax(logits, axis=-1)
+            out.append(int(t.item()))  # type: ignore[arg-type]  # an index array's item is an int
+            if j < k - 1:
+                y = t[None]
+        row.n = len(tokens) + k - 1
+        return out
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        row = self.rows.get(uid)
+        if row is None:
+            return
+        keep = n_tokens + min(accepted, max(proposed - 1, 0))
+        if row.n > keep:
+            for c in row.cache:
+                c.trim(row.n - keep)
+            row.n = keep
+
+    def retain(self, uids: Iterable[int]) -> None:
+        live = set(uids)
+        for uid in [u for u in self.rows if u not in live]:
+            del self.rows[uid]
+
+
+@dataclass(slots=True)
+class Speculation:
+    """Speculative decoding settings and counters of one decode batch."""
+
+    proposer: Proposer
+    tokens: int
+    """Most tokens proposed per row and step (``k``)."""
+    max_batch: int
+    """Most decoding rows a step speculates with (see the module docstring)."""
+    steps: int = 0
+    """Verify steps run."""
+    proposed: int = 0
+    accepted: int = 0
+    by_uid: dict[int, list[int]] = field(default_factory=dict)
+    """uid -> [proposed, accepted] of that row (taken by the engine at its end)."""
+
+    def retain(self, uids: Iterable[int]) -> None:
+        live = set(uids)
+        self.proposer.retain(live)
+
+    def take(self, uid: int) -> tuple[int, int]:
+        """``uid``'s counts, forgotten here."""
+        p, a = self.by_uid.pop(uid, (0, 0))
+        return p, a
+
+    def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
+        """One verify step of ``batch`` (its responses), or None: a plain step is due."""
+        n = len(batch.uids)
+        if n == 0 or n > self.max_batch:
+            return None
+        if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
+            return None
+        wanted = batch.logprob_uids
+        samplers: list[Any] = batch.samplers or [None] * n
+        procs = batch.logits_processors or [[]] * n
+        eligible = [(s is greedy_sampler or (s is None and batch.fallback_sampler is greedy_sampler))
+                    and not procs[i] and batch.uids[i] not in wanted for i, s in enumerate(samplers)]
+        if not any(eligible):
+            return None
+        inputs: mx.array = batch._next_tokens
+        mx.eval(inputs)
+        current: list[int] = inputs.tolist()  # type: ignore[assignment]  # 1-D: a list of ints
+        proposals: list[list[int]] = []
+        for i in range(n):
+            guess: list[int] = []
+            if eligible[i]:
+                room = batch.max_tokens[i] - batch._num_tokens[i] - 1
+                k = min(self.tokens, room)
+                if k > 0:
+                    guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], k)[:k]
+            proposals.append(guess)
+        width = max(len(p) for p in proposals)
+        if width == 0:
+            return None
+        return self._verify(batch, inputs, current, proposals, width)
+
+    def _verify(self, batch: EngineGenerationBatch, inputs: mx.array, current: list[int],
+                proposals: list[list[int]], width: int) -> list[Any]:
+        n = len(batch.uids)
+        rows = [[current[i], *p, *([current[i]] * (width - len(p)))] for i, p in enumerate(proposals)]
+        batch._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm's __init__ types it None
+        current_logprobs = batch._next_logprobs
+        logits = batch.model(mx.array(rows, dtype=mx.uint32), cache=batch.prompt_cache)
+        first = logits[:, 0, :]
+        token_context = []
+        all_processors = batch.logits_processors
+        if all_processors and any(all_processors):
+            parts = []
+            for e in range(n):
+                row = first[e : e + 1]
+                processors = all_processors[e] or ()
+                if processors:
+                    context = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
+                    token_context.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                parts.append(row)
+            first = mx.concatenate(parts, axis=0)
+        logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+        sampled = batch._sample(logprobs)
+        later = logits[:, 1:, :]
+        greedy = mx.argmax(later - mx.logsumexp(later, axis=-1, keepdims=True), axis=-1)
+        wanted = batch.logprob_uids
+        next_logprobs = [logprobs[i] if uid in wanted else None for i, uid in enumerate(batch.uids)]
+        mx.eval(sampled, greedy, token_context, next_logprobs, current_logprobs)
+        first_ids: list[int] = sampled.tolist()  # type: ignore[assignment]
+        later_ids: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+
+        emitted: list[list[int]] = []
+        nexts: list[int] = []
+        surplus: list[int] = []
+        for i, guess in enumerate(proposals):
+            target = [first_ids[i], *later_ids[i]]
+            a = 0
+            while a < len(guess) and guess[a] == target[a]:
+                a += 1
+            emitted.append([current[i], *guess[:a]])
+            nexts.append(target[a])
+            surplus.append(width - a)
+            if guess:
+                self.proposer.accepted(batch.uids[i], len(batch.tokens[i]) + 1, len(guess), a)
+                counts = self.by_uid.setdefault(batch.uids[i], [0, 0])
+                counts[0] += len(guess)
+                counts[1] += a
+                self.proposed += len(guess)
+                self.accepted += a
+        self.steps += 1
+        _drop_surplus(batch.prompt_cache, surplus)
+        for seq, toks in zip(batch.tokens, emitted, strict=True):
+            seq.extend(toks)
+        batch._next_tokens = mx.array(nexts, dtype=sampled.dtype)
+        batch._next_logprobs = next_logprobs
+        batch._current_logprobs = current_logprobs
+        return batch.respond(emitted, current_logprobs)
+
+
+def _drop_surplus(cache: list[Any], surplus: list[int]) -> None:
+    """Take ``surplus[i]`` trailing positions off row ``i`` of every layer."""
+    common = min(surplus)
+    rest = [s - common for s in surplus]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
