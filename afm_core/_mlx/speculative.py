@@ -53,6 +53,7 @@ is trimmed to the tokens it emitted).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,6 +65,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 if TYPE_CHECKING:
     from .batch import EngineGenerationBatch
+
+log = logging.getLogger("afm.engine")
 
 __all__ = ["NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup", "Proposer", "Speculation"]
 
@@ -231,12 +234,19 @@ class Speculation:
         return self._verify(batch, inputs, current, proposals, width)
 
     def _verify(self, batch: EngineGenerationBatch, inputs: mx.array, current: list[int],
-                proposals: list[list[int]], width: int) -> list[Any]:
+                proposals: list[list[int]], width: int) -> list[Any] | None:
         n = len(batch.uids)
         rows = [[current[i], *p, *([current[i]] * (width - len(p)))] for i, p in enumerate(proposals)]
         batch._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm's __init__ types it None
         current_logprobs = batch._next_logprobs
         logits = batch.model(mx.array(rows, dtype=mx.uint32), cache=batch.prompt_cache)
+        if logits.ndim != 3 or logits.shape[1] != width + 1:
+            # the model returns its last position's logits only: it cannot verify
+            for c in batch.prompt_cache:
+                c.trim(width + 1)
+            log.warning("speculative decoding is off: the model does not return every position's logits")
+            self.max_batch = 0
+            return None
         first = logits[:, 0, :]
         token_context = []
         all_processors = batch.logits_processors

@@ -11,8 +11,10 @@ puts a large logit on the token to copy next (``scale`` from the weights).
 The chat-structure markers are token id sequences stored in ``config.json``
 by the factory (``afm_core.testing.make_echo_model``), so the module holds no
 tokenizer.  Token id 0 (``<|endoftext|>``, the padding id) is never echoed.
-The logits of every input position are returned (shape ``[B, L, V]``), as a
-transformer's are (speculative decoding reads them all).
+Only the last position's logits are returned (shape ``[B, 1, V]``), which is
+all mlx-lm's generators read, unless ``all_positions`` (in ``config.json``)
+asks for every input position's (``[B, L, V]``, as a transformer's: what
+speculative decoding verifies with).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ModelArgs:
     # message ("\n  " before "  indented") -> the ids of those characters
     newline_fused: dict[str, list[int]] = field(default_factory=dict)
     max_position_embeddings: int = 32768
+    all_positions: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> ModelArgs:
@@ -121,7 +124,7 @@ class Model(nn.Module):
         # once speculative decoding has rolled rejected positions into it)
         padding = getattr(layer_cache, "left_padding", None)
         pads = np.asarray(padding).tolist() if padding is not None else [0] * len(rows)
-        length = inputs.shape[1]
+        length = inputs.shape[1] if self.args.all_positions else 1
         targets = []
         for row, pad in zip(rows, pads, strict=True):
             seq = [int(t) for t in row[pad:] if t > 0]

@@ -13,7 +13,7 @@ from afm_core._engine.engine import Engine, open_engine
 from afm_core._mlx.speculative import lookup
 from afm_core._stream.events import Finish, Profile
 from afm_core._stream.request import ChatRequest
-from afm_core.testing import make_random_model
+from afm_core.testing import make_echo_model, make_random_model
 
 PROMPTS = [
     "the cat sat on the mat and the cat sat on the hat, the cat sat on",
@@ -44,6 +44,12 @@ async def token_ids(engine: Engine, prompts: list[str], max_tokens: list[int]) -
 
 
 @pytest.fixture(scope="module")
+def echo_all_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The echo model returning every position's logits (what verifying needs)."""
+    return make_echo_model(tmp_path_factory.mktemp("echo-all"), all_positions=True)
+
+
+@pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second, smaller random model with the test models' tokenizer."""
     return make_random_model(tmp_path_factory.mktemp("draft"), hidden_size=32, num_layers=1, seed=7)
@@ -63,8 +69,8 @@ def test_lookup_proposes_what_followed_the_suffix() -> None:
 @pytest.mark.parametrize("model", ["random", "echo"])
 @pytest.mark.parametrize("proposer", ["lookup", "draft"])
 async def test_greedy_tokens_are_the_same_with_speculation(
-        model: str, proposer: str, random_model_dir: Path, echo_model_dir: Path, draft_dir: Path) -> None:
-    path = random_model_dir if model == "random" else echo_model_dir
+        model: str, proposer: str, random_model_dir: Path, echo_all_dir: Path, draft_dir: Path) -> None:
+    path = random_model_dir if model == "random" else echo_all_dir
     spec = {"prompt_lookup": 4} if proposer == "lookup" else {"draft_model": str(draft_dir), "draft_tokens": 3}
     if proposer == "draft" and model == "echo":
         spec = {"draft_model": str(path), "draft_tokens": 3}  # the echo drafts for itself: all accepted
@@ -88,11 +94,11 @@ async def test_greedy_tokens_are_the_same_with_speculation(
         assert stats.spec_accepted > stats.spec_proposed // 2
 
 
-async def test_speculation_at_width_with_rows_leaving(random_model_dir: Path, echo_model_dir: Path) -> None:
+async def test_speculation_at_width_with_rows_leaving(random_model_dir: Path, echo_all_dir: Path) -> None:
     """Every step speculates (spec_max_batch 4) while rows of different
     lengths finish and others keep going: the cache surgery of one row must
     not disturb another's."""
-    for path in (random_model_dir, echo_model_dir):
+    for path in (random_model_dir, echo_all_dir):
         lengths = [7, 31, 16, 45]
         async with open_engine(path, warmup=False, spec_max_batch=0) as engine:
             plain = await token_ids(engine, PROMPTS, lengths)
@@ -102,9 +108,9 @@ async def test_speculation_at_width_with_rows_leaving(random_model_dir: Path, ec
         assert spec == plain
 
 
-async def test_cancel_mid_stream_while_speculating(echo_model_dir: Path) -> None:
+async def test_cancel_mid_stream_while_speculating(echo_all_dir: Path) -> None:
     text = " ".join(["lorem ipsum dolor sit amet"] * 40)
-    async with open_engine(echo_model_dir, warmup=False, prompt_lookup=4, spec_max_batch=2) as engine:
+    async with open_engine(echo_all_dir, warmup=False, prompt_lookup=4, spec_max_batch=2) as engine:
         events = []
         async with engine.stream(req(text, max_tokens=150), request_id="victim") as s:
             async for e in s:
@@ -143,13 +149,13 @@ async def test_grammar_stream_next_to_a_speculating_one(random_model_dir: Path) 
         assert engine.statistics().spec_steps > 0
 
 
-async def test_profile_reports_the_request_s_speculation(echo_model_dir: Path) -> None:
-    async with open_engine(echo_model_dir, warmup=False, prompt_lookup=4) as engine:
+async def test_profile_reports_the_request_s_speculation(echo_all_dir: Path) -> None:
+    async with open_engine(echo_all_dir, warmup=False, prompt_lookup=4) as engine:
         async with engine.stream(req("la la la la la la la la", max_tokens=40), profile="basic") as s:
             events = [e async for e in s]
         prof = next(e for e in events if isinstance(e, Profile)).payload
         assert prof["spec_proposed"] > 0 and 0 < prof["spec_accepted"] <= prof["spec_proposed"]
-    async with open_engine(echo_model_dir, warmup=False) as engine:
+    async with open_engine(echo_all_dir, warmup=False) as engine:
         async with engine.stream(req("la la la la", max_tokens=10), profile="basic") as s:
             events = [e async for e in s]
         prof = next(e for e in events if isinstance(e, Profile)).payload
@@ -165,3 +171,10 @@ def test_config_rejects_bad_settings() -> None:
         EngineConfig(draft_tokens=0)
     with pytest.raises(ValueError):
         EngineConfig(prompt_lookup=4, spec_max_batch=1, distributed=DistributedConfig())
+
+
+async def test_a_model_with_last_position_logits_only_decodes_plainly(echo_model_dir: Path) -> None:
+    async with open_engine(echo_model_dir, warmup=False, prompt_lookup=4) as engine:
+        r = await engine.complete(req("la la la la la la la la", max_tokens=30))
+        assert r["choices"][0]["message"]["content"] == "la la la la la la la la"
+        assert engine.statistics().spec_steps == 0
