@@ -84,6 +84,11 @@ async def test_greedy_tokens_are_the_same_with_speculation(
         # four at once: plain steps while more than one decodes, speculation once one is left
         many_spec = await token_ids(engine, PROMPTS, lengths)
         stats = engine.statistics()
+        assert engine._worker is not None
+        spec_state = engine._worker.gen.speculation
+        assert spec_state is not None and not spec_state.by_uid
+        if proposer == "draft":  # the draft's caches left with their rows
+            assert not spec_state.proposer.rows  # type: ignore[attr-defined]
     assert one_spec == one_plain
     assert many_spec == many_plain
     assert alone.spec_steps > 0 and alone.spec_proposed > 0
@@ -108,9 +113,11 @@ async def test_speculation_at_width_with_rows_leaving(random_model_dir: Path, ec
         assert spec == plain
 
 
-async def test_cancel_mid_stream_while_speculating(echo_all_dir: Path) -> None:
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+async def test_cancel_mid_stream_while_speculating(proposer: str, echo_all_dir: Path) -> None:
     text = " ".join(["lorem ipsum dolor sit amet"] * 40)
-    async with open_engine(echo_all_dir, warmup=False, prompt_lookup=4, spec_max_batch=2) as engine:
+    spec = {"prompt_lookup": 4} if proposer == "lookup" else {"draft_model": str(echo_all_dir)}
+    async with open_engine(echo_all_dir, warmup=False, spec_max_batch=2, **spec) as engine:
         events = []
         async with engine.stream(req(text, max_tokens=150), request_id="victim") as s:
             async for e in s:
@@ -119,6 +126,9 @@ async def test_cancel_mid_stream_while_speculating(echo_all_dir: Path) -> None:
                     assert engine.cancel("victim")
         assert isinstance(next(e for e in events if isinstance(e, Finish)), Finish)
         assert [e.reason for e in events if isinstance(e, Finish)] == ["cancelled"]
+        assert engine._worker is not None and engine._worker.gen.speculation is not None
+        assert not engine._worker.gen.speculation.by_uid
+        assert not getattr(engine._worker.gen.speculation.proposer, "rows", None)
         assert engine.statistics().spec_accepted > 0
         # the engine goes on: the next request is whole
         r = await engine.complete(req("one two one two one two", max_tokens=30))
