@@ -38,7 +38,8 @@ other requests.  Above ``max_batch`` rows the plain batched step runs; the
 choice is made again before every step.
 
 **The cache after a verify step.**  Every row computed ``1 + K`` positions
-(``K`` the longest proposal; shorter ones are padded); row ``i`` keeps ``1 +
+(``K`` the longest proposal, at most ``VERIFY_ROWS`` rows in all; shorter
+ones are padded); row ``i`` keeps ``1 +
 a_i`` (``a_i`` accepted).  All rows are trimmed by the smallest surplus
 (``BatchKVCache.trim``); a row with more surplus is rolled right by the rest,
 which becomes left padding (mlx-lm's own ``prepare(right_padding=...)`` /
@@ -54,6 +55,7 @@ is trimmed to the tokens it emitted).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -74,6 +76,15 @@ NGRAM_MAX = 3
 """Longest suffix :class:`PromptLookup` looks for."""
 NGRAM_MIN = 2
 """Shortest: one token alone matches too often to guess well."""
+
+_GEMM_ROWS = int(os.environ.get("AFM_QMM_GEMM_ROWS", "32") or 32)
+VERIFY_ROWS = _GEMM_ROWS - 1 if _GEMM_ROWS > 1 else 1 << 20
+"""Most rows (streams x positions) a verify step computes.  From
+``AFM_QMM_GEMM_ROWS`` rows (32) the quantized product dequantizes whole
+weights for a BLAS product (``afm_core._mlx.qmatmul``), the right trade for a
+prefill chunk and a loss for a few verify positions: on the default model 8
+streams x 5 positions took 2.5 s against 0.13 s for 8 x 1.  Wider batches
+get shorter proposals (8 streams: 2 tokens each)."""
 
 
 class Proposer(Protocol):
@@ -205,7 +216,8 @@ class Speculation:
     def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
         """One verify step of ``batch`` (its responses), or None: a plain step is due."""
         n = len(batch.uids)
-        if n == 0 or n > self.max_batch:
+        cap = min(self.tokens, VERIFY_ROWS // max(n, 1) - 1)
+        if n == 0 or n > self.max_batch or cap < 1:
             return None
         if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
             return None
@@ -224,7 +236,7 @@ class Speculation:
             guess: list[int] = []
             if eligible[i]:
                 room = batch.max_tokens[i] - batch._num_tokens[i] - 1
-                k = min(self.tokens, room)
+                k = min(cap, room)
                 if k > 0:
                     guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], k)[:k]
             proposals.append(guess)
