@@ -77,6 +77,9 @@ NGRAM_MAX = 3
 NGRAM_MIN = 2
 """Shortest: one token alone matches too often to guess well."""
 
+MAX_REST = 16
+"""Most steps a row whose guesses keep missing goes without proposing."""
+
 _GEMM_ROWS = int(os.environ.get("AFM_QMM_GEMM_ROWS", "32") or 32)
 VERIFY_ROWS = _GEMM_ROWS - 1 if _GEMM_ROWS > 1 else 1 << 20
 """Most rows (streams x positions) a verify step computes.  From
@@ -162,15 +165,18 @@ class DraftModel:
         if k <= 0:
             return []
         y = mx.array(tokens[row.n :], dtype=mx.uint32)[None]
-        out: list[int] = []
-        for j in range(k):
+        guesses = []
+        for j in range(k):  # lazily: each guess feeds the next step, one evaluation at the end
             logits = self.model(y, cache=row.cache)[:, -1, :]
             t = mx.argmax(logits, axis=-1)
-            out.append(int(t.item()))  # type: ignore[arg-type]  # an index array's item is an int
+            guesses.append(t)
             if j < k - 1:
                 y = t[None]
+        out = mx.concatenate(guesses)
+        mx.eval(out, [c.state for c in row.cache])
         row.n = len(tokens) + k - 1
-        return out
+        ids: list[int] = out.tolist()  # type: ignore[assignment]  # 1-D: a list of ints
+        return ids
 
     def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
         row = self.rows.get(uid)
@@ -203,10 +209,40 @@ class Speculation:
     accepted: int = 0
     by_uid: dict[int, list[int]] = field(default_factory=dict)
     """uid -> [proposed, accepted] of that row (taken by the engine at its end)."""
+    misses: dict[int, int] = field(default_factory=dict)
+    """uid -> verify steps in a row that rejected the whole proposal."""
+    resting: dict[int, int] = field(default_factory=dict)
+    """uid -> steps the row still proposes nothing for (see :meth:`_rest`)."""
 
     def retain(self, uids: Iterable[int]) -> None:
         live = set(uids)
         self.proposer.retain(live)
+        for d in (self.misses, self.resting):
+            for uid in [u for u in d if u not in live]:
+                del d[uid]
+
+    def _rest(self, uid: int, accepted: int) -> None:
+        """Back off a row whose guesses miss: after ``m`` verify steps in a row
+        that accepted nothing, it proposes nothing for ``2**m - 1`` steps (at
+        most ``MAX_REST``), which run as plain steps when no row proposes.  A
+        verify step costs more than a plain one, so text that the proposer
+        cannot guess (most chat) must not pay for one every step."""
+        if accepted:
+            self.misses.pop(uid, None)
+            return
+        m = self.misses.get(uid, 0) + 1
+        self.misses[uid] = m
+        self.resting[uid] = min((1 << m) - 1, MAX_REST)
+
+    def _resting(self, uid: int) -> bool:
+        left = self.resting.get(uid)
+        if not left:
+            return False
+        if left == 1:
+            del self.resting[uid]
+        else:
+            self.resting[uid] = left - 1
+        return True
 
     def take(self, uid: int) -> tuple[int, int]:
         """``uid``'s counts, forgotten here."""
@@ -234,7 +270,7 @@ class Speculation:
         proposals: list[list[int]] = []
         for i in range(n):
             guess: list[int] = []
-            if eligible[i]:
+            if eligible[i] and not self._resting(batch.uids[i]):
                 room = batch.max_tokens[i] - batch._num_tokens[i] - 1
                 k = min(cap, room)
                 if k > 0:
@@ -296,6 +332,7 @@ class Speculation:
             nexts.append(target[a])
             surplus.append(width - a)
             if guess:
+                self._rest(batch.uids[i], a)
                 self.proposer.accepted(batch.uids[i], len(batch.tokens[i]) + 1, len(guess), a)
                 counts = self.by_uid.setdefault(batch.uids[i], [0, 0])
                 counts[0] += len(guess)
