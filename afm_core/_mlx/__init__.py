@@ -14,7 +14,9 @@ Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`),
 embeddings pooled from the model body's final hidden states
 (:mod:`.embeddings`, which calls mlx-lm's ``model.model``), and the batch
 generator of a model sharded over an ``mx.distributed`` group, whose tokens
-are sampled on rank 0 and shared (:mod:`.distributed`).
+are sampled on rank 0 and shared (:mod:`.distributed`), and speculative
+decoding inside the decode batch (:mod:`.speculative`: prompt lookup and
+draft-model proposers, the verify step, the batch cache's trimming).
 
 **The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
 ``mlx==0.32.4`` exactly, because the modules here subclass or read private
