@@ -188,3 +188,35 @@ async def test_a_model_with_last_position_logits_only_decodes_plainly(echo_model
         r = await engine.complete(req("la la la la la la la la", max_tokens=30))
         assert r["choices"][0]["message"]["content"] == "la la la la la la la la"
         assert engine.statistics().spec_steps == 0
+
+
+async def test_logprobs_and_seeded_streams_beside_a_speculating_one(random_model_dir: Path) -> None:
+    """Rows that do not speculate (logprobs, sampling) ride in the verify
+    pass at their position 0 and get what a plain step gives them."""
+    others = [req(PROMPTS[1], max_tokens=20, logprobs=True, top_logprobs=2),
+              req(PROMPTS[2], max_tokens=20, temperature=0.8, seed=5)]
+
+    async def run(engine: Engine) -> list[dict]:
+        results: list[dict] = [{}, {}, {}]
+
+        async def one(i: int, r: ChatRequest) -> None:
+            results[i] = await engine.complete(r)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, req(PROMPTS[0], max_tokens=40))
+            for i, r in enumerate(others, 1):
+                nursery.start_soon(one, i, r)
+        return [{k: v for k, v in r.items() if k not in ("id", "created")} for r in results]
+
+    async with open_engine(random_model_dir, warmup=False, spec_max_batch=0) as engine:
+        plain = await run(engine)
+    async with open_engine(random_model_dir, warmup=False, spec_max_batch=3, prompt_lookup=3) as engine:
+        spec = await run(engine)
+        assert engine.statistics().spec_steps > 0
+    assert [r["choices"][0]["message"] for r in spec] == [r["choices"][0]["message"] for r in plain]
+    # the verify pass computes position 0 with other kernels: the same tokens, logprobs to float rounding
+    got, want = spec[1]["choices"][0]["logprobs"]["content"], plain[1]["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in got] == [t["token"] for t in want] and len(got) == 20
+    assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in want], abs=1e-4)
+    assert [[x["token"] for x in t["top_logprobs"]] for t in got] == \
+        [[x["token"] for x in t["top_logprobs"]] for t in want]
