@@ -39,6 +39,14 @@ entry to be read (by the disk tier's I/O thread, while the batch keeps
 decoding; ``loading``); the entry then moves into the memory tier and the
 job is inserted with its copy.  A file that turns out corrupt is deleted and
 the job falls back to the memory tier's answer.
+
+**Speculative decoding.**  With ``prompt_lookup`` or a draft model the
+decode batch may verify proposed tokens instead of taking a plain step
+(:mod:`afm_core._mlx.speculative`; only while at most ``spec_max_batch``
+streams decode): a stream may then get several tokens from one step, as
+several responses of its uid, in order, each fed through its pipeline as a
+plain step's token is (stop strings, ``max_tokens`` and the end of the
+stream apply per token).  The per-stream counts go to its profile.
 """
 
 from __future__ import annotations
