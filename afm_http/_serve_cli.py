@@ -156,6 +156,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model's head size (default: 64)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
                         help="cap for requests without max_tokens (default: the rest of the context)")
+    spec = parser.add_argument_group("speculative decoding (greedy requests: temperature 0, no grammar, "
+                                     "penalties, logit_bias or logprobs; the same tokens, sooner)")
+    spec.add_argument("--prompt-lookup", type=_int_at_least(0), default=0, metavar="N",
+                      help="propose up to N tokens per step from an earlier occurrence of the stream's last "
+                           "tokens in its prompt or output, checked by one forward pass (0: off; default: 0)")
+    spec.add_argument("--draft-model", default=None, metavar="M",
+                      help="a smaller model with the same tokenizer proposes the tokens instead (an mlx-lm "
+                           "directory, a .gguf or a hub id; default: none)")
+    spec.add_argument("--draft-tokens", type=_int_at_least(1), default=4, metavar="K",
+                      help="tokens the draft model proposes per step (default: 4)")
+    spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=1, metavar="N",
+                      help="speculate only while at most N streams decode; more run the plain batched "
+                           "step (decided before every step; 0: never; default: 1)")
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
     engine.add_argument("--no-warmup", action="store_true",
@@ -253,6 +266,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         warmup=not args.no_warmup,
                         cpu_fusion=not args.no_cpu_fusion,
                         embedding_pooling=args.embedding_pooling,
+                        prompt_lookup=args.prompt_lookup, draft_model=args.draft_model,
+                        draft_tokens=args.draft_tokens, spec_max_batch=args.spec_max_batch,
                         distributed=_distributed.config_from(args))
 
 

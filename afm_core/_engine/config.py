@@ -182,6 +182,30 @@ class EngineConfig:
     serves only requests on its own adapter (the disk tier keeps the
     base model's only).  Names may not hold ``:``.  Not with ``distributed``."""
 
+    prompt_lookup: int = 0
+    """Speculative decoding by prompt lookup: when the last tokens of a
+    greedy stream (``temperature`` 0, no grammar, penalties, ``logit_bias``
+    or ``logprobs``) occurred earlier in its prompt or output, the tokens
+    that followed them there (at most this many) are checked by one forward
+    pass of the model, and those it agrees with are emitted at once.  The
+    output is the same tokens; text that repeats its prompt (edits of code or
+    a document, quotes, extraction) comes faster.  0 (the default) disables
+    it.  See ``spec_max_batch`` and :mod:`afm_core._mlx.speculative`."""
+    draft_model: str | Path | None = None
+    """A smaller model with the same tokenizer (a path or Hugging Face id)
+    whose greedy guesses (``draft_tokens`` per step) the model checks, as
+    for ``prompt_lookup`` (which it replaces); None (the default): no draft
+    model.  Each speculating stream keeps a KV cache in the draft too."""
+    draft_tokens: int = 4
+    """Tokens the draft model guesses per step (with ``draft_model``); at least 1."""
+    spec_max_batch: int = 1
+    """Speculate only while at most this many streams are decoding; with more,
+    the plain batched step runs (decided again before every step, so a
+    stream speculates while it is alone and stops when others join, never
+    refused).  0 disables speculation.  A wider batch already amortizes each
+    step's overhead across its streams, and its verify passes cost more
+    than the tokens they save (see the README's numbers)."""
+
     distributed: DistributedConfig | None = None
     """Serve one model sharded over the ranks of an ``mx.distributed`` group
     (:class:`DistributedConfig`): this engine is rank 0, every other rank runs
@@ -199,6 +223,15 @@ class EngineConfig:
         if self.kv_bits is not None and self.distributed is not None:
             # the sharded generator and its followers build float caches of their own
             raise ValueError("kv_bits (a quantized KV cache) cannot be used with distributed")
+        if self.prompt_lookup < 0 or self.draft_tokens < 1 or self.spec_max_batch < 0:
+            raise ValueError("prompt_lookup and spec_max_batch must be >= 0, draft_tokens >= 1")
+        if self.distributed is not None and self.spec_max_batch and (self.prompt_lookup or self.draft_model):
+            raise ValueError("speculative decoding (prompt_lookup, draft_model) cannot be used with distributed")
+        speculating = self.spec_max_batch and (self.prompt_lookup or self.draft_model is not None)
+        if speculating and (self.adapters or self.kv_bits is not None):
+            # its verify pass neither selects rows' adapters nor trims a quantized cache (yet)
+            raise ValueError("speculative decoding (prompt_lookup, draft_model) cannot be used "
+                             "with adapters or kv_bits")
         if self.cache_disk_bytes < 0:
             raise ValueError("cache_disk_bytes must be >= 0")
         names = [name for name, _ in self.adapters]

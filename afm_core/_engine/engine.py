@@ -140,6 +140,14 @@ class EngineStatistics:
     quantized); None: float."""
     kv_group_size: int | None = None
     """Elements per scale of the quantized KV cache; None with a float one."""
+    spec_steps: int = 0
+    """Verify steps of speculative decoding (``EngineConfig.prompt_lookup``,
+    ``draft_model``): steps that checked proposed tokens."""
+    spec_proposed: int = 0
+    """Tokens proposed in them."""
+    spec_accepted: int = 0
+    """Proposed tokens the model agreed with, each emitted without a step of
+    its own (acceptance rate: ``spec_accepted / spec_proposed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +357,8 @@ class Engine:
                     except (ValueError, OSError) as exc:
                         unfuse_cpu_kernels(model)  # (the model's modules are shared patches)
                         raise ModelLoadError(f"could not load the adapters: {exc}") from exc
+                draft = _load_draft(self.config.draft_model, tokenizer, self.config.cpu_fusion) \
+                    if self.config.draft_model is not None and self.config.spec_max_batch else None
                 tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = _distributed.worker_factory(self.config.distributed)(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
@@ -357,6 +367,8 @@ class Engine:
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
                     adapters=adapters,
                     kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size,
+                    prompt_lookup=self.config.prompt_lookup, draft=draft,
+                    draft_tokens=self.config.draft_tokens, spec_max_batch=self.config.spec_max_batch,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -375,6 +387,8 @@ class Engine:
 
                 detach_adapters(model)  # before the rewrite it wraps is undone
                 unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
+                if draft is not None:
+                    unfuse_cpu_kernels(draft)
 
         thread = run_on_generation_thread(thread_main)
         try:
@@ -820,6 +834,22 @@ _WORKER_COUNTERS = tuple(
     f.name for f in fields(EngineStatistics)
     if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
 """The statistics the generation thread counts (``WorkerStats``), copied by name."""
+
+
+def _load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
+    """The draft model of speculative decoding (on the generation thread),
+    fused like the model; its vocabulary must be the model's."""
+    from .._mlx.fusion import fuse_for_cpu
+    from .._models.loader import load
+    from .._models.resolve import resolve_model
+
+    draft, draft_tokenizer, _ = load(resolve_model(str(spec)))
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ModelLoadError(f"the draft model {spec} has another vocabulary "
+                             f"({draft_tokenizer.vocab_size} tokens, the model {tokenizer.vocab_size})")
+    if fuse:
+        fuse_for_cpu(draft)
+    return draft
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:

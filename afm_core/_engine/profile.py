@@ -36,6 +36,10 @@ blas                   text    the BLAS computing MLX's CPU products
                                (``afm_core._mlx.blas``: openblas, reference,
                                accelerate)
 batch_size_mean        seqs    mean decode batch size while the request ran
+spec_proposed,         tokens  speculative decoding (``prompt_lookup`` or
+spec_accepted                  ``draft_model``): tokens proposed for this
+                               request and those the model accepted; only
+                               when the engine speculates
 est_bandwidth_gbs      GB/s    (weights + this KV) bytes read per decode step
                                x decode steps per second; an estimate
 theoretical_bw_gbs     GB/s    only for known Apple chips; omitted elsewhere
@@ -113,6 +117,9 @@ class ProfileRecorder:
         self._batch_steps = 0
         self.prefix_tier: str | None = None
         """Set by the generation thread when the prefix cache serves the prompt."""
+        self.spec: tuple[int, int] | None = None
+        """(proposed, accepted) speculative tokens, set by the generation thread
+        when the engine speculates."""
 
     def admitted(self, now: float) -> None:
         self.t_admit = now
@@ -180,6 +187,8 @@ class ProfileRecorder:
         }
         if blas:
             summary["blas"] = blas
+        if self.spec is not None:
+            summary["spec_proposed"], summary["spec_accepted"] = self.spec
         steps = self._batch_steps
         if steps:
             summary["batch_size_mean"] = _r(self._batch_sum / steps, 2)

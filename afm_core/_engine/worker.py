@@ -53,6 +53,14 @@ cache (``EngineBatchGenerator.new_cache``), so the batch, both tiers' entries
 and the shared-prefill copies hold the same format; the disk tier's
 fingerprint includes it (``kv_format``), so entries of another setting are
 never read.
+
+**Speculative decoding.**  With ``prompt_lookup`` or a draft model the
+decode batch may verify proposed tokens instead of taking a plain step
+(:mod:`afm_core._mlx.speculative`; only while at most ``spec_max_batch``
+streams decode): a stream may then get several tokens from one step, as
+several responses of its uid, in order, each fed through its pipeline as a
+plain step's token is (stop strings, ``max_tokens`` and the end of the
+stream apply per token).  The per-stream counts go to its profile.
 """
 
 from __future__ import annotations
@@ -106,6 +114,7 @@ if TYPE_CHECKING:
     from .._mlx.disk_cache import DiskMatch, DiskPromptCache
     from .._mlx.lora import AdapterRows
     from .._mlx.prefill import EngineBatchGenerator, PromptScores
+    from .._mlx.speculative import Speculation
     from .sampling import SamplerCache
 
 log = logging.getLogger("afm.engine")
@@ -150,6 +159,12 @@ class WorkerStats:
     """Jobs started from another job's prefill of the same prompt (see the module docstring)."""
     parked: int = 0
     """Jobs waiting now for another job's prefill of the same prompt."""
+    spec_steps: int = 0
+    """Verify steps of speculative decoding (see :mod:`afm_core._mlx.speculative`)."""
+    spec_proposed: int = 0
+    """Tokens proposed to them (prompt lookup or the draft model)."""
+    spec_accepted: int = 0
+    """Of those, tokens the model agreed with (emitted without a step of their own)."""
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -172,6 +187,10 @@ class Worker:
         adapters: AdapterRows | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        prompt_lookup: int = 0,
+        draft: nn.Module | None = None,
+        draft_tokens: int = 0,
+        spec_max_batch: int = 0,
     ):
         self.model = model
         self.adapters = adapters
@@ -186,6 +205,10 @@ class Worker:
         self.cache_disk_bytes = cache_disk_bytes
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
+        self.prompt_lookup = prompt_lookup
+        self.draft = draft
+        self.draft_tokens = draft_tokens
+        self.spec_max_batch = spec_max_batch
         self.disk: DiskPromptCache | None = None
         self.loading: dict[JobKey, tuple[Job, DiskMatch]] = {}  # jobs waiting for a disk read
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -249,6 +272,7 @@ class Worker:
             self.model,
             logprob_uids=self.logprob_uids,
             adapters=self.adapters,
+            speculation=self._speculation(),
             max_tokens=1 << 30,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=self.max_batch,
@@ -274,6 +298,22 @@ class Worker:
         from .._mlx.blas import confirm
 
         self.blas = confirm().name
+
+    def _speculation(self) -> Speculation | None:
+        """The decode batch's speculative decoding (a draft model if given, else
+        prompt lookup), or None."""
+        from .._mlx.speculative import DraftModel, PromptLookup, Proposer, Speculation
+
+        if self.spec_max_batch <= 0:
+            return None
+        proposer: Proposer
+        if self.draft is not None and self.draft_tokens > 0:
+            proposer, k = DraftModel(self.draft), self.draft_tokens
+        elif self.prompt_lookup > 0:
+            proposer, k = PromptLookup(), self.prompt_lookup
+        else:
+            return None
+        return Speculation(proposer, tokens=k, max_batch=self.spec_max_batch)
 
     def _wake(self) -> None:
         """(From the disk tier's I/O thread.)  Some disk work is done: an idle
@@ -359,6 +399,9 @@ class Worker:
                 self._admit(job, outputs)
             case Reset(done):
                 self.stats = WorkerStats()
+                spec = self.gen.speculation
+                if spec is not None:
+                    spec.steps = spec.proposed = spec.accepted = 0
                 self.prefix_cache = self._new_prefix_cache()
                 if self.disk is not None:
                     self.disk.reset()
@@ -669,7 +712,8 @@ class Worker:
                 done = len(prefilling.prompt) if p.end_of_prompt else prefilling.cached_tokens + p.progress[0]
                 self._progress(prefilling, done)
         now = time.perf_counter()
-        batch_size = len(responses)
+        # a verify step of speculative decoding answers several tokens of a row
+        batch_size = len({r.uid for r in responses}) if self.gen.speculation is not None else len(responses)
         active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
         pending: dict[JobKey, list[Event]] = {}
         for r in responses:
@@ -752,6 +796,9 @@ class Worker:
         s.prefilling = seen.prefilling
         s.queued = seen.waiting
         s.parked = sum(len(j.followers) for j in self.leaders.values())
+        spec = self.gen.speculation
+        if spec is not None:
+            s.spec_steps, s.spec_proposed, s.spec_accepted = spec.steps, spec.proposed, spec.accepted
         if self.disk is not None:
             d = self.disk.stats
             s.prefix_cache_disk_bytes, s.prefix_cache_disk_entries = d.bytes, d.entries
@@ -831,6 +878,11 @@ class Worker:
         self._forget(job)
 
     def _forget(self, job: Job) -> None:
+        spec = self.gen.speculation
+        if job.uid is not None and spec is not None:
+            counts = spec.take(job.uid)
+            if job.profile is not None:
+                job.profile.spec = counts
         if job.uid is not None:
             self.by_uid.pop(job.uid, None)
             self.logprob_uids.discard(job.uid)

@@ -17,7 +17,9 @@ that batches (:mod:`.quantized_cache`: mlx-lm's ``QuantizedKVCache`` rows
 and a ``BatchKVCache`` counterpart over its quantized triples, for
 ``kv_bits``), and the batch
 generator of a model sharded over an ``mx.distributed`` group, whose tokens
-are sampled on rank 0 and shared (:mod:`.distributed`).
+are sampled on rank 0 and shared (:mod:`.distributed`), and speculative
+decoding inside the decode batch (:mod:`.speculative`: prompt lookup and
+draft-model proposers, the verify step, the batch cache's trimming).
 
 **The mlx-lm pin.**  ``pyproject.toml`` pins ``mlx-lm==0.32.2`` and
 ``mlx==0.32.4`` exactly, because the modules here subclass or read private

@@ -22,13 +22,18 @@ and extends it with each prefilled group).  :func:`occupancy` counts where a
 generator's sequences are, so no caller reads its private fields.
 Before each forward the rows' LoRA adapters are selected by their uids
 (``afm_core._mlx.lora.AdapterRows``), so they follow mlx-lm's inserts and filters.
+
+With a :class:`~afm_core._mlx.speculative.Speculation` (``speculation``)
+a step may be a verify step instead (see :mod:`.speculative`): its rows may
+each answer several tokens, as several responses of the same uid
+(:meth:`EngineGenerationBatch.respond`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -36,6 +41,9 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import Sampler
 
 from .lora import AdapterRows
+
+if TYPE_CHECKING:
+    from .speculative import Speculation
 
 __all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy"]
 
@@ -52,7 +60,58 @@ class EngineGenerationBatch(GenerationBatch):
     logprob_uids: set[int]
     adapters: AdapterRows | None = None
     """The rows' LoRA adapters (``afm_core._mlx.lora``), selected for each step."""
+    speculation: Speculation | None = None
     _steps = 0  # decode steps run; instances count from the class default
+
+    def next(self) -> list[GenerationBatch.Response]:
+        spec = self.speculation
+        if spec is not None and self.uids:
+            verified = spec.step(self)
+            if verified is not None:
+                return verified
+        responses: list[GenerationBatch.Response] = super().next()
+        return responses
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if self.speculation is not None:
+            self.speculation.retain(self.uids)
+
+    def respond(self, emitted: list[list[int]], logprobs: list[Any]) -> list[GenerationBatch.Response]:
+        """mlx-lm's ``next`` bookkeeping for a step whose row ``i`` emitted the
+        tokens ``emitted[i]`` (all in its cache and ``tokens``): one response
+        per token, until the row's ``max_tokens`` or stop sequence ends it (the
+        cache and tokens it leaves with then end at that token)."""
+        keep: list[int] = []
+        responses: list[GenerationBatch.Response] = []
+        for i, toks in enumerate(emitted):
+            uid = self.uids[i]
+            finish = None
+            for j, t in enumerate(toks):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(t):
+                    finish = "stop"
+                # mlx-lm types it an array; the engine reads it only for the rows asking
+                lp: Any = logprobs[i] if j == 0 else None
+                if finish is None:
+                    responses.append(self.Response(uid, t, lp, None, None, None))
+                    continue
+                extra = len(toks) - j - 1
+                cache = self.extract_cache(i)
+                tokens = self.tokens[i]
+                if extra:
+                    for c in cache:
+                        c.trim(extra)
+                    tokens = tokens[:-extra]
+                responses.append(self.Response(uid, t, lp, finish, cache, tokens))
+                break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
 
     def _step(self) -> tuple[list[int], list[Any]]:
         inputs: mx.array = self._next_tokens
@@ -152,13 +211,16 @@ def occupancy(gen: BatchGenerator) -> Occupancy:
                      waiting=len(gen._unprocessed_sequences))
 
 
-def install(gen: BatchGenerator, logprob_uids: set[int], adapters: AdapterRows | None = None) -> None:
+def install(gen: BatchGenerator, logprob_uids: set[int], adapters: AdapterRows | None = None,
+            speculation: Speculation | None = None) -> None:
     """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
-    ``logprob_uids`` (a live set the caller keeps up to date) and selecting
-    each row's LoRA adapter from ``adapters``."""
+    ``logprob_uids`` (a live set the caller keeps up to date), selecting
+    each row's LoRA adapter from ``adapters`` and speculating with
+    ``speculation`` if given."""
     if not occupancy(gen).empty:
         raise RuntimeError("install the engine batch before the first insert")
     batch = EngineGenerationBatch.empty(gen.model, gen.sampler)
     batch.logprob_uids = logprob_uids
     batch.adapters = adapters
+    batch.speculation = speculation
     gen._generation_batch = batch

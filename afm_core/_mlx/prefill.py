@@ -66,6 +66,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .batch import Occupancy, install, occupancy
 from .lora import AdapterRows
 from .quantized_cache import check_quantizable, make_quantized_cache
+from .speculative import Speculation
 
 __all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
 
@@ -233,8 +234,9 @@ class EnginePromptBatch(PromptProcessingBatch):
 
 class EngineBatchGenerator(BatchGenerator):
     """mlx-lm's ``BatchGenerator`` prefilling with :class:`EnginePromptBatch`
-    and decoding with the engine's batch reading ``logprob_uids`` (see
-    :func:`afm_core._mlx.batch.install`).  ``prompt_scores`` holds the rows
+    and decoding with the engine's batch reading ``logprob_uids`` and
+    speculating with ``speculation`` if given (see
+    :func:`afm_core._mlx.batch.install`, :mod:`afm_core._mlx.speculative`).  ``prompt_scores`` holds the rows
     whose prompts are scored, by uid (see :meth:`insert_one`).
 
     With ``kv_bits`` (4 or 8) every row's cache is quantized from its first
@@ -248,10 +250,12 @@ class EngineBatchGenerator(BatchGenerator):
     after each :meth:`next`."""
 
     def __init__(self, model: Any, *, logprob_uids: set[int], adapters: AdapterRows | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = 64, **kw: Any) -> None:
+                 kv_bits: int | None = None, kv_group_size: int = 64,
+                 speculation: Speculation | None = None, **kw: Any) -> None:
         super().__init__(model, **kw)
         self.adapters = adapters
-        install(self, logprob_uids, adapters)
+        install(self, logprob_uids, adapters, speculation)
+        self.speculation = speculation
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         if kv_bits is not None:

@@ -12,7 +12,9 @@ The chat-structure markers are token id sequences stored in ``config.json``
 by the factory (``afm_core.testing.make_echo_model``), so the module holds no
 tokenizer.  Token id 0 (``<|endoftext|>``, the padding id) is never echoed.
 Only the last position's logits are returned (shape ``[B, 1, V]``), which is
-all mlx-lm's generators read.
+all mlx-lm's generators read, unless ``all_positions`` (in ``config.json``)
+asks for every input position's (``[B, L, V]``, as a transformer's: what
+speculative decoding verifies with).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ModelArgs:
     # message ("\n  " before "  indented") -> the ids of those characters
     newline_fused: dict[str, list[int]] = field(default_factory=dict)
     max_position_embeddings: int = 32768
+    all_positions: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> ModelArgs:
@@ -117,12 +120,19 @@ class Model(nn.Module):
         layer_cache = cache[0] if cache is not None else None
         stored = self.layers[0](inputs, layer_cache)
         rows = np.asarray(stored[:, 0, :, 0]).astype(np.int64) - 1
+        # a batch cache's left padding is not the row's (it may hold stale ids
+        # once speculative decoding has rolled rejected positions into it)
+        padding = getattr(layer_cache, "left_padding", None)
+        pads = np.asarray(padding).tolist() if padding is not None else [0] * len(rows)
+        length = inputs.shape[1] if self.args.all_positions else 1
         targets = []
-        for row in rows:
-            seq = [int(t) for t in row if t > 0]
-            targets.append(self.next_token(seq))
+        for row, pad in zip(rows, pads, strict=True):
+            seq = [int(t) for t in row[pad:] if t > 0]
+            # the next token after each input position (speculative decoding reads them all)
+            cut = len(seq) - length
+            targets.append([self.next_token(seq[: cut + p + 1]) for p in range(length)])
         vocab = mx.arange(self.args.vocab_size)[None, None, :]
-        target = mx.array(targets)[:, None, None]
+        target = mx.array(targets)[:, :, None]
         return mx.where(vocab == target, self.scale, -self.scale).astype(mx.float32)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -88,8 +88,11 @@ def _newline_fused(tok: Any) -> dict[str, list[int]]:
     return fused
 
 
-def make_echo_model(out: str | Path, *, context_length: int = 32768) -> Path:
-    """Write the echo model to ``out`` and return the path."""
+def make_echo_model(out: str | Path, *, context_length: int = 32768, all_positions: bool = False) -> Path:
+    """Write the echo model to ``out`` and return the path; with
+    ``all_positions`` it returns the logits of every input position (as a
+    transformer does: what speculative decoding verifies with), else of the
+    last one only."""
     import mlx.core as mx
 
     out = Path(out)
@@ -110,6 +113,7 @@ def make_echo_model(out: str | Path, *, context_length: int = 32768) -> Path:
         "think_skip_ids": enc("<think>\n\n</think>\n\n"),
         "newline_fused": _newline_fused(tok),
         "torch_dtype": "float32",
+        "all_positions": all_positions,
     }
     mx.save_safetensors(
         str(out / "model.safetensors"),

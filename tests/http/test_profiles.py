@@ -268,3 +268,26 @@ async def test_responses_profile_through_the_openai_sdk(server) -> None:
         await client.responses.create(model="m", input="x", extra_headers=BAD)
     assert info.value.param == "X-AFM-Profile" and info.value.code == "invalid_header"
     await client.close()
+
+
+async def test_speculation_streams_its_tokens_and_reports_them(tmp_path: Path) -> None:
+    """A server with prompt lookup on: the stream carries several tokens per
+    engine step through the wire pipeline; the profile and /metrics count them."""
+    from afm_core.testing import make_echo_model
+
+    model = make_echo_model(tmp_path / "echo", all_positions=True)
+    text = "to be or not to be, to be or not to be, that is the question"
+    payload = {"model": "m", "messages": [{"role": "user", "content": text}], "stream": True,
+               "temperature": 0, "stream_options": {"include_usage": True}}
+    async with running_server(model, prompt_lookup=4, warmup=False) as (url, _), \
+            httpx.AsyncClient(base_url=url) as h:
+        _, datas = await _sse(h, "/v1/chat/completions", payload, TRUE)
+        content = "".join(d["choices"][0]["delta"].get("content") or "" for d in datas
+                          if isinstance(d, dict) and d.get("choices"))
+        assert content == text
+        profile = next(d["afm_profile"] for d in datas if isinstance(d, dict) and "afm_profile" in d)
+        assert 0 < profile["spec_accepted"] <= profile["spec_proposed"]
+        metrics = (await h.get("/metrics")).text
+        accepted = next(line for line in metrics.splitlines()
+                        if line.startswith("afm_spec_accepted_tokens_total"))
+        assert float(accepted.split()[-1]) == profile["spec_accepted"]

@@ -175,3 +175,17 @@ def test_dumps_matches_the_sse_encoders_bytes(text: str) -> None:
 def test_startup_blas_line_from_runtime_info(info: BlasInfo) -> None:
     """``afm serve`` logs the BLAS from ``runtime_info().blas`` (a dict) as ``BlasInfo.describe()`` did."""
     assert describe_blas(info.as_dict()) == info.describe()
+
+
+def test_speculation_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from afm_http._serve_cli import _engine_config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = _engine_config(parser.parse_args([]))
+    assert (default.prompt_lookup, default.draft_model, default.spec_max_batch) == (0, None, 1)
+    config = _engine_config(parser.parse_args(["--prompt-lookup", "3", "--draft-model", "d", "--draft-tokens", "2",
+                                               "--spec-max-batch", "2"]))
+    assert (config.prompt_lookup, config.draft_model, config.draft_tokens, config.spec_max_batch) == (3, "d", 2, 2)

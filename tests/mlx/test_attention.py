@@ -137,11 +137,15 @@ def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
 
 
 @needs_ext
-def test_use_and_restore_count_the_models_per_module(tmp_path):
+def test_use_and_restore_count_the_models_per_module(tmp_path, monkeypatch):
     import mlx_lm.models.qwen3 as qwen3  # the random test model's architecture
     from mlx_lm.utils import load_model
 
     from afm_core.testing import make_random_model
+
+    # start from no user (an earlier test's model may still hold the module)
+    monkeypatch.setattr(_attention, "_users", {})
+    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", _attention._original)
 
     path = make_random_model(tmp_path / "m", hidden_size=64, num_layers=1,
                              intermediate_size=128, seed=1)

@@ -1,0 +1,361 @@
+"""Speculative decoding inside the engine's decode batch.
+
+A *proposer* guesses the next few tokens of a row; one forward pass of the
+target model over ``[current token, guess_1 .. guess_k]`` (the *verify step*)
+gives the target's own choice at each of those positions, and the longest
+prefix of the guess the target agrees with is emitted at once, with the
+target's token after it.  Output is the target's greedy output; on this
+CPU a forward of k+1 tokens costs much less than k+1 single-token steps (a
+small model's step is mostly per-operation overhead), so every accepted
+guess is a step saved.
+
+Two proposers (one per engine, behind the same verify step):
+
+* :class:`PromptLookup`: the last ``n`` tokens of the row (its prompt and
+  output), found earlier in the same row (``n`` from ``NGRAM_MAX`` down to
+  ``NGRAM_MIN``; the latest match with ``k`` tokens after it, else the one
+  with the most), propose the tokens that followed them there.  No model, no state; nothing proposed (no cost) when nothing matches.
+* :class:`DraftModel`: a smaller model with the same tokenizer proposes its
+  own greedy continuation, one single-token step of the draft per proposed
+  token.  Each row has its own draft cache (single-sequence, mlx-lm's
+  ``make_prompt_cache``), keyed by the row's uid, filled lazily with the
+  row's tokens when it first speculates, trimmed back to what the target
+  accepted after every verify step, and dropped when the row leaves the
+  batch (:meth:`Speculation.retain`, from the batch's ``filter``).
+
+**When a step speculates** (:meth:`Speculation.step`): the decode batch has
+at most ``max_batch`` rows, every layer's cache is mlx-lm's
+``BatchKVCache`` (trimmable), and at least one row is *eligible* and got a
+proposal.  A row is eligible when its sampler is greedy
+(``temperature`` 0), it has no logits processors (grammar, penalties,
+``logit_bias``) and its log-probabilities are not read: for those rows the
+target's choice is an ``argmax`` that does not depend on what the row
+generated before within the step.  The other rows of the batch still run in
+the verify pass, with nothing proposed: their position 0 goes through the
+batch's normal processors, log-probabilities and sampler, exactly as in a
+plain step, so a batch never has to choose between speculation and its
+other requests.  Above ``max_batch`` rows the plain batched step runs; the
+choice is made again before every step.
+
+**The cache after a verify step.**  Every row computed ``1 + K`` positions
+(``K`` the longest proposal, at most ``VERIFY_ROWS`` rows in all; shorter
+ones are padded); row ``i`` keeps ``1 +
+a_i`` (``a_i`` accepted).  All rows are trimmed by the smallest surplus
+(``BatchKVCache.trim``); a row with more surplus is rolled right by the rest,
+which becomes left padding (mlx-lm's own ``prepare(right_padding=...)`` /
+``finalize()``, as after its right-padded prefill).
+
+**Emission.**  A row's accepted tokens come back from the batch's ``next``
+as several ``GenerationBatch.Response`` of the same uid, in order, each
+passing the row's ``max_tokens`` and stop matcher as a plain step's token
+does; a row that finishes within them drops the rest (and its saved cache
+is trimmed to the tokens it emitted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+if TYPE_CHECKING:
+    from .batch import EngineGenerationBatch
+
+log = logging.getLogger("afm.engine")
+
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup", "Proposer", "Speculation"]
+
+NGRAM_MAX = 3
+"""Longest suffix :class:`PromptLookup` looks for."""
+NGRAM_MIN = 2
+"""Shortest: one token alone matches too often to guess well."""
+
+MAX_REST = 16
+"""Most steps a row whose guesses keep missing goes without proposing."""
+
+_GEMM_ROWS = int(os.environ.get("AFM_QMM_GEMM_ROWS", "32") or 32)
+VERIFY_ROWS = _GEMM_ROWS - 1 if _GEMM_ROWS > 1 else 1 << 20
+"""Most rows (streams x positions) a verify step computes.  From
+``AFM_QMM_GEMM_ROWS`` rows (32) the quantized product dequantizes whole
+weights for a BLAS product (``afm_core._mlx.qmatmul``), the right trade for a
+prefill chunk and a loss for a few verify positions: on the default model 8
+streams x 5 positions took 2.5 s against 0.13 s for 8 x 1.  Wider batches
+get shorter proposals (8 streams: 2 tokens each)."""
+
+
+class Proposer(Protocol):
+    """Guesses up to ``k`` tokens after ``tokens`` (a row's prompt and output)."""
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]: ...
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        """The target accepted ``accepted`` of the ``proposed`` tokens guessed
+        after ``n_tokens`` tokens."""
+
+    def retain(self, uids: Iterable[int]) -> None:
+        """Only ``uids`` are still in the batch."""
+
+
+class PromptLookup:
+    """N-gram lookup in the row's own tokens (see the module docstring)."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]:
+        return lookup(tokens, k, self.ngram_max, self.ngram_min)
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        pass
+
+    def retain(self, uids: Iterable[int]) -> None:
+        pass
+
+
+def lookup(tokens: list[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``tokens`` (``ngram_max`` down to ``ngram_min`` long)."""
+    n_all = len(tokens)
+    if k <= 0 or n_all <= ngram_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    # where the last token occurred before (with a token after it), latest first
+    ends = np.flatnonzero(arr[:-1] == arr[-1])[::-1]
+    for n in range(min(ngram_max, n_all - 1), ngram_min - 1, -1):
+        suffix = arr[n_all - n:]
+        best = -1
+        for e in ends.tolist():
+            if e - n + 1 < 0 or not np.array_equal(arr[e - n + 1 : e + 1], suffix):
+                continue
+            if best < 0 or n_all - 1 - e > n_all - 1 - best:
+                best = e  # the latest match with the most tokens after it (up to k)
+            if n_all - 1 - e >= k:
+                break
+        if best >= 0:
+            return [int(t) for t in arr[best + 1 : best + 1 + k]]
+    return []
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    cache: list[Any]
+    n: int = 0
+    """Tokens of the row the cache holds (a prefix of the row's tokens)."""
+
+
+class DraftModel:
+    """A smaller model's greedy guess (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.rows: dict[int, _DraftRow] = {}
+
+    def propose(self, uid: int, tokens: list[int], k: int) -> list[int]:
+        row = self.rows.get(uid)
+        if row is None:
+            row = self.rows[uid] = _DraftRow(make_prompt_cache(self.model))
+        if k <= 0:
+            return []
+        y = mx.array(tokens[row.n :], dtype=mx.uint32)[None]
+        guesses = []
+        for j in range(k):  # lazily: each guess feeds the next step, one evaluation at the end
+            logits = self.model(y, cache=row.cache)[:, -1, :]
+            t = mx.argmax(logits, axis=-1)
+            guesses.append(t)
+            if j < k - 1:
+                y = t[None]
+        out = mx.concatenate(guesses)
+        mx.eval(out, [c.state for c in row.cache])
+        row.n = len(tokens) + k - 1
+        ids: list[int] = out.tolist()  # type: ignore[assignment]  # 1-D: a list of ints
+        return ids
+
+    def accepted(self, uid: int, n_tokens: int, proposed: int, accepted: int) -> None:
+        row = self.rows.get(uid)
+        if row is None:
+            return
+        keep = n_tokens + min(accepted, max(proposed - 1, 0))
+        if row.n > keep:
+            for c in row.cache:
+                c.trim(row.n - keep)
+            row.n = keep
+
+    def retain(self, uids: Iterable[int]) -> None:
+        live = set(uids)
+        for uid in [u for u in self.rows if u not in live]:
+            del self.rows[uid]
+
+
+@dataclass(slots=True)
+class Speculation:
+    """Speculative decoding settings and counters of one decode batch."""
+
+    proposer: Proposer
+    tokens: int
+    """Most tokens proposed per row and step (``k``)."""
+    max_batch: int
+    """Most decoding rows a step speculates with (see the module docstring)."""
+    steps: int = 0
+    """Verify steps run."""
+    proposed: int = 0
+    accepted: int = 0
+    by_uid: dict[int, list[int]] = field(default_factory=dict)
+    """uid -> [proposed, accepted] of that row (taken by the engine at its end)."""
+    misses: dict[int, int] = field(default_factory=dict)
+    """uid -> verify steps in a row that rejected the whole proposal."""
+    resting: dict[int, int] = field(default_factory=dict)
+    """uid -> steps the row still proposes nothing for (see :meth:`_rest`)."""
+
+    def retain(self, uids: Iterable[int]) -> None:
+        live = set(uids)
+        self.proposer.retain(live)
+        for d in (self.misses, self.resting):
+            for uid in [u for u in d if u not in live]:
+                del d[uid]
+
+    def _rest(self, uid: int, accepted: int) -> None:
+        """Back off a row whose guesses miss: after ``m`` verify steps in a row
+        that accepted nothing, it proposes nothing for ``2**m - 1`` steps (at
+        most ``MAX_REST``), which run as plain steps when no row proposes.  A
+        verify step costs more than a plain one, so text that the proposer
+        cannot guess (most chat) must not pay for one every step."""
+        if accepted:
+            self.misses.pop(uid, None)
+            return
+        m = self.misses.get(uid, 0) + 1
+        self.misses[uid] = m
+        self.resting[uid] = min((1 << m) - 1, MAX_REST)
+
+    def _resting(self, uid: int) -> bool:
+        left = self.resting.get(uid)
+        if not left:
+            return False
+        if left == 1:
+            del self.resting[uid]
+        else:
+            self.resting[uid] = left - 1
+        return True
+
+    def take(self, uid: int) -> tuple[int, int]:
+        """``uid``'s counts, forgotten here."""
+        p, a = self.by_uid.pop(uid, (0, 0))
+        return p, a
+
+    def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
+        """One verify step of ``batch`` (its responses), or None: a plain step is due."""
+        n = len(batch.uids)
+        cap = min(self.tokens, VERIFY_ROWS // max(n, 1) - 1)
+        if n == 0 or n > self.max_batch or cap < 1:
+            return None
+        if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
+            return None
+        wanted = batch.logprob_uids
+        samplers: list[Any] = batch.samplers or [None] * n
+        procs = batch.logits_processors or [[]] * n
+        eligible = [(s is greedy_sampler or (s is None and batch.fallback_sampler is greedy_sampler))
+                    and not procs[i] and batch.uids[i] not in wanted for i, s in enumerate(samplers)]
+        if not any(eligible):
+            return None
+        inputs: mx.array = batch._next_tokens
+        mx.eval(inputs)
+        current: list[int] = inputs.tolist()  # type: ignore[assignment]  # 1-D: a list of ints
+        proposals: list[list[int]] = []
+        for i in range(n):
+            guess: list[int] = []
+            if eligible[i] and not self._resting(batch.uids[i]):
+                room = batch.max_tokens[i] - batch._num_tokens[i] - 1
+                k = min(cap, room)
+                if k > 0:
+                    guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], k)[:k]
+            proposals.append(guess)
+        width = max(len(p) for p in proposals)
+        if width == 0:
+            return None
+        return self._verify(batch, inputs, current, proposals, width)
+
+    def _verify(self, batch: EngineGenerationBatch, inputs: mx.array, current: list[int],
+                proposals: list[list[int]], width: int) -> list[Any] | None:
+        n = len(batch.uids)
+        rows = [[current[i], *p, *([current[i]] * (width - len(p)))] for i, p in enumerate(proposals)]
+        batch._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm's __init__ types it None
+        current_logprobs = batch._next_logprobs
+        logits = batch.model(mx.array(rows, dtype=mx.uint32), cache=batch.prompt_cache)
+        if logits.ndim != 3 or logits.shape[1] != width + 1:
+            # the model returns its last position's logits only: it cannot verify
+            for c in batch.prompt_cache:
+                c.trim(width + 1)
+            log.warning("speculative decoding is off: the model does not return every position's logits")
+            self.max_batch = 0
+            return None
+        first = logits[:, 0, :]
+        token_context = []
+        all_processors = batch.logits_processors
+        if all_processors and any(all_processors):
+            parts = []
+            for e in range(n):
+                row = first[e : e + 1]
+                processors = all_processors[e] or ()
+                if processors:
+                    context = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
+                    token_context.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                parts.append(row)
+            first = mx.concatenate(parts, axis=0)
+        logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+        sampled = batch._sample(logprobs)
+        later = logits[:, 1:, :]
+        greedy = mx.argmax(later - mx.logsumexp(later, axis=-1, keepdims=True), axis=-1)
+        wanted = batch.logprob_uids
+        next_logprobs = [logprobs[i] if uid in wanted else None for i, uid in enumerate(batch.uids)]
+        mx.eval(sampled, greedy, token_context, next_logprobs, current_logprobs)
+        first_ids: list[int] = sampled.tolist()  # type: ignore[assignment]
+        later_ids: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+
+        emitted: list[list[int]] = []
+        nexts: list[int] = []
+        surplus: list[int] = []
+        for i, guess in enumerate(proposals):
+            target = [first_ids[i], *later_ids[i]]
+            a = 0
+            while a < len(guess) and guess[a] == target[a]:
+                a += 1
+            emitted.append([current[i], *guess[:a]])
+            nexts.append(target[a])
+            surplus.append(width - a)
+            if guess:
+                self._rest(batch.uids[i], a)
+                self.proposer.accepted(batch.uids[i], len(batch.tokens[i]) + 1, len(guess), a)
+                counts = self.by_uid.setdefault(batch.uids[i], [0, 0])
+                counts[0] += len(guess)
+                counts[1] += a
+                self.proposed += len(guess)
+                self.accepted += a
+        self.steps += 1
+        _drop_surplus(batch.prompt_cache, surplus)
+        for seq, toks in zip(batch.tokens, emitted, strict=True):
+            seq.extend(toks)
+        batch._next_tokens = mx.array(nexts, dtype=sampled.dtype)
+        batch._next_logprobs = next_logprobs
+        batch._current_logprobs = current_logprobs
+        return batch.respond(emitted, current_logprobs)
+
+
+def _drop_surplus(cache: list[Any], surplus: list[int]) -> None:
+    """Take ``surplus[i]`` trailing positions off row ``i`` of every layer."""
+    common = min(surplus)
+    rest = [s - common for s in surplus]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()

@@ -1,0 +1,228 @@
+"""Speculative decoding (prompt lookup, draft model) in the engine: the same
+greedy tokens as without it, across batch widths, cancel and grammar."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from afm_core._engine.engine import Engine, open_engine
+from afm_core._mlx.speculative import lookup
+from afm_core._stream.events import Finish, Profile
+from afm_core._stream.request import ChatRequest
+from afm_core.testing import make_echo_model, make_random_model
+
+PROMPTS = [
+    "the cat sat on the mat and the cat sat on the hat, the cat sat on",
+    "one two three four five six seven eight one two three four five",
+    "alpha beta gamma delta alpha beta gamma delta epsilon zeta alpha beta",
+    "red green blue red green blue red green yellow red green blue",
+]
+
+
+def req(text: str, **kw) -> ChatRequest:
+    return ChatRequest.from_openai({"messages": [{"role": "user", "content": text}],
+                                    "temperature": 0, **kw})
+
+
+async def token_ids(engine: Engine, prompts: list[str], max_tokens: list[int]) -> list[tuple[str, int, str]]:
+    """Each prompt's completion (text, tokens, finish reason), all streamed at once."""
+    out: list[tuple[str, int, str]] = [("", 0, "")] * len(prompts)
+
+    async def one(i: int) -> None:
+        r = await engine.complete(req(prompts[i], max_tokens=max_tokens[i], enable_thinking=False))
+        choice = r["choices"][0]
+        out[i] = (choice["message"]["content"], r["usage"]["completion_tokens"], choice["finish_reason"])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def echo_all_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The echo model returning every position's logits (what verifying needs)."""
+    return make_echo_model(tmp_path_factory.mktemp("echo-all"), all_positions=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second, smaller random model with the test models' tokenizer."""
+    return make_random_model(tmp_path_factory.mktemp("draft"), hidden_size=32, num_layers=1, seed=7)
+
+
+def test_lookup_proposes_what_followed_the_suffix() -> None:
+    assert lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert lookup([1, 2, 3, 4, 9, 1, 2, 3], 1) == [4]
+    assert lookup([5, 6, 7, 8], 3) == []  # no earlier occurrence
+    assert lookup([1, 2, 5, 1, 2], 0) == []
+    # the longest suffix wins: (7, 1, 2) -> 8, not (1, 2) -> 3's later match
+    assert lookup([7, 1, 2, 8, 1, 2, 3, 7, 1, 2], 1) == [8]
+    # a match with k tokens after it beats a later one with fewer
+    assert lookup([4] * 6, 3) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("model", ["random", "echo"])
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+async def test_greedy_tokens_are_the_same_with_speculation(
+        model: str, proposer: str, random_model_dir: Path, echo_all_dir: Path, draft_dir: Path) -> None:
+    path = random_model_dir if model == "random" else echo_all_dir
+    spec = {"prompt_lookup": 4} if proposer == "lookup" else {"draft_model": str(draft_dir), "draft_tokens": 3}
+    if proposer == "draft" and model == "echo":
+        spec = {"draft_model": str(path), "draft_tokens": 3}  # the echo drafts for itself: all accepted
+    lengths = [40, 25, 33, 18]
+    async with open_engine(path, warmup=False, spec_max_batch=0) as engine:
+        one_plain = await token_ids(engine, PROMPTS[:1], lengths[:1])
+        many_plain = await token_ids(engine, PROMPTS, lengths)
+    async with open_engine(path, warmup=False, spec_max_batch=1, **spec) as engine:
+        one_spec = await token_ids(engine, PROMPTS[:1], lengths[:1])
+        alone = engine.statistics()
+        # four at once: plain steps while more than one decodes, speculation once one is left
+        many_spec = await token_ids(engine, PROMPTS, lengths)
+        stats = engine.statistics()
+        assert engine._worker is not None
+        spec_state = engine._worker.gen.speculation
+        assert spec_state is not None and not spec_state.by_uid
+        if proposer == "draft":  # the draft's caches left with their rows
+            assert not spec_state.proposer.rows  # type: ignore[attr-defined]
+    assert one_spec == one_plain
+    assert many_spec == many_plain
+    assert alone.spec_steps > 0 and alone.spec_proposed > 0
+    assert stats.spec_steps > alone.spec_steps  # it speculated again once the batch narrowed
+    assert stats.steps - alone.steps > stats.spec_steps - alone.spec_steps  # and ran plain steps too
+    assert 0 <= stats.spec_accepted <= stats.spec_proposed
+    if model == "echo":  # the echo repeats its prompt: lookups and its own draft are right
+        assert stats.spec_accepted > stats.spec_proposed // 2
+
+
+async def test_speculation_at_width_with_rows_leaving(random_model_dir: Path, echo_all_dir: Path) -> None:
+    """Every step speculates (spec_max_batch 4) while rows of different
+    lengths finish and others keep going: the cache surgery of one row must
+    not disturb another's."""
+    for path in (random_model_dir, echo_all_dir):
+        lengths = [7, 31, 16, 45]
+        async with open_engine(path, warmup=False, spec_max_batch=0) as engine:
+            plain = await token_ids(engine, PROMPTS, lengths)
+        async with open_engine(path, warmup=False, spec_max_batch=4, prompt_lookup=5) as engine:
+            spec = await token_ids(engine, PROMPTS, lengths)
+            assert engine.statistics().spec_steps > 0
+        assert spec == plain
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+async def test_cancel_mid_stream_while_speculating(proposer: str, echo_all_dir: Path) -> None:
+    text = " ".join(["lorem ipsum dolor sit amet"] * 40)
+    spec = {"prompt_lookup": 4} if proposer == "lookup" else {"draft_model": str(echo_all_dir)}
+    async with open_engine(echo_all_dir, warmup=False, spec_max_batch=2, **spec) as engine:
+        events = []
+        async with engine.stream(req(text, max_tokens=150), request_id="victim") as s:
+            async for e in s:
+                events.append(e)
+                if len(events) == 5:
+                    assert engine.cancel("victim")
+        assert isinstance(next(e for e in events if isinstance(e, Finish)), Finish)
+        assert [e.reason for e in events if isinstance(e, Finish)] == ["cancelled"]
+        assert engine._worker is not None and engine._worker.gen.speculation is not None
+        assert not engine._worker.gen.speculation.by_uid
+        assert not getattr(engine._worker.gen.speculation.proposer, "rows", None)
+        assert engine.statistics().spec_accepted > 0
+        # the engine goes on: the next request is whole
+        r = await engine.complete(req("one two one two one two", max_tokens=30))
+        assert r["choices"][0]["message"]["content"] == "one two one two one two"
+
+
+async def test_grammar_stream_next_to_a_speculating_one(random_model_dir: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "mood": {"enum": ["happy", "sad"]}},
+              "required": ["ok", "mood"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    async with open_engine(random_model_dir, warmup=False, prompt_lookup=4, spec_max_batch=2) as engine:
+        results: dict[str, dict] = {}
+
+        async def structured() -> None:
+            r = req("json please", response_format=rf, max_tokens=60, enable_thinking=False)
+            async with engine.stream(r) as s:
+                assert not s.grammar_downgraded
+                results["json"] = await s.collect()
+
+        async def free() -> None:
+            results["free"] = await engine.complete(req(PROMPTS[0], max_tokens=60))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(structured)
+            nursery.start_soon(free)
+        out = json.loads(results["json"]["choices"][0]["message"]["content"])
+        assert set(out) == {"ok", "mood"} and out["mood"] in ("happy", "sad")
+        assert engine.statistics().spec_steps > 0
+
+
+async def test_profile_reports_the_request_s_speculation(echo_all_dir: Path) -> None:
+    async with open_engine(echo_all_dir, warmup=False, prompt_lookup=4) as engine:
+        async with engine.stream(req("la la la la la la la la", max_tokens=40), profile="basic") as s:
+            events = [e async for e in s]
+        prof = next(e for e in events if isinstance(e, Profile)).payload
+        assert prof["spec_proposed"] > 0 and 0 < prof["spec_accepted"] <= prof["spec_proposed"]
+    async with open_engine(echo_all_dir, warmup=False) as engine:
+        async with engine.stream(req("la la la la", max_tokens=10), profile="basic") as s:
+            events = [e async for e in s]
+        prof = next(e for e in events if isinstance(e, Profile)).payload
+        assert "spec_proposed" not in prof
+
+
+def test_config_rejects_bad_settings() -> None:
+    from afm_core._engine.config import DistributedConfig, EngineConfig
+
+    with pytest.raises(ValueError):
+        EngineConfig(prompt_lookup=-1)
+    with pytest.raises(ValueError):
+        EngineConfig(draft_tokens=0)
+    with pytest.raises(ValueError):
+        EngineConfig(prompt_lookup=4, spec_max_batch=1, distributed=DistributedConfig())
+    # not yet combined: the verify pass neither selects adapters nor trims a quantized cache
+    with pytest.raises(ValueError, match="adapters or kv_bits"):
+        EngineConfig(prompt_lookup=4, kv_bits=8)
+    with pytest.raises(ValueError, match="adapters or kv_bits"):
+        EngineConfig(draft_model="d", adapters=(("a", "/x"),))
+    EngineConfig(prompt_lookup=4, spec_max_batch=0, kv_bits=8)  # speculation off: fine
+
+
+async def test_a_model_with_last_position_logits_only_decodes_plainly(echo_model_dir: Path) -> None:
+    async with open_engine(echo_model_dir, warmup=False, prompt_lookup=4) as engine:
+        r = await engine.complete(req("la la la la la la la la", max_tokens=30))
+        assert r["choices"][0]["message"]["content"] == "la la la la la la la la"
+        assert engine.statistics().spec_steps == 0
+
+
+async def test_logprobs_and_seeded_streams_beside_a_speculating_one(random_model_dir: Path) -> None:
+    """Rows that do not speculate (logprobs, sampling) ride in the verify
+    pass at their position 0 and get what a plain step gives them."""
+    others = [req(PROMPTS[1], max_tokens=20, logprobs=True, top_logprobs=2),
+              req(PROMPTS[2], max_tokens=20, temperature=0.8, seed=5)]
+
+    async def run(engine: Engine) -> list[dict]:
+        results: list[dict] = [{}, {}, {}]
+
+        async def one(i: int, r: ChatRequest) -> None:
+            results[i] = await engine.complete(r)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, req(PROMPTS[0], max_tokens=40))
+            for i, r in enumerate(others, 1):
+                nursery.start_soon(one, i, r)
+        return [{k: v for k, v in r.items() if k not in ("id", "created")} for r in results]
+
+    async with open_engine(random_model_dir, warmup=False, spec_max_batch=0) as engine:
+        plain = await run(engine)
+    async with open_engine(random_model_dir, warmup=False, spec_max_batch=3, prompt_lookup=3) as engine:
+        spec = await run(engine)
+        assert engine.statistics().spec_steps > 0
+    assert [r["choices"][0]["message"] for r in spec] == [r["choices"][0]["message"] for r in plain]
+    # the verify pass computes position 0 with other kernels: the same tokens, logprobs to float rounding
+    got, want = spec[1]["choices"][0]["logprobs"]["content"], plain[1]["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in got] == [t["token"] for t in want] and len(got) == 20
+    assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in want], abs=1e-4)
+    assert [[x["token"] for x in t["top_logprobs"]] for t in got] == \
+        [[x["token"] for x in t["top_logprobs"]] for t in want]
