@@ -45,7 +45,7 @@ from .lora import AdapterRows
 if TYPE_CHECKING:
     from .speculative import Speculation
 
-__all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy"]
+__all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy", "process_rows"]
 
 SETTLE_EVERY = 64
 """Steps between evaluations of the whole cache state.  A model that never
@@ -129,20 +129,7 @@ class EngineGenerationBatch(GenerationBatch):
                 adapters.clear()
         logits = logits[:, -1, :]
 
-        token_context = []
-        all_processors = self.logits_processors
-        if all_processors and any(all_processors):
-            rows = []
-            for e in range(len(self.uids)):
-                row = logits[e : e + 1]
-                processors = all_processors[e] or ()
-                if processors:
-                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
-                    token_context.append(context)
-                    for processor in processors:
-                        row = processor(context, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
+        logits, token_context = process_rows(self, logits, inputs)
 
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = self._sample(logprobs)
@@ -209,6 +196,29 @@ def occupancy(gen: BatchGenerator) -> Occupancy:
     these counts in private fields only)."""
     return Occupancy(decoding=len(gen._generation_batch), prefilling=len(gen._prompt_batch),
                      waiting=len(gen._unprocessed_sequences))
+
+
+def process_rows(batch: GenerationBatch, logits: mx.array,
+                 inputs: mx.array) -> tuple[mx.array, list[Any]]:
+    """Each row's ``logits`` (one row per batch row) through that row's logits
+    processors, fed its token context with ``inputs`` (mlx-lm's ``_step``
+    loop; the plain and the verify step share it); returns the logits and the
+    contexts the processors read (to evaluate with the step)."""
+    token_context: list[Any] = []
+    all_processors = batch.logits_processors
+    if not (all_processors and any(all_processors)):
+        return logits, token_context
+    rows = []
+    for e in range(logits.shape[0]):
+        row = logits[e : e + 1]
+        processors = all_processors[e] or ()
+        if processors:
+            context = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
+            token_context.append(context)
+            for processor in processors:
+                row = processor(context, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0), token_context
 
 
 def install(gen: BatchGenerator, logprob_uids: set[int], adapters: AdapterRows | None = None,

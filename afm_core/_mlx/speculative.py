@@ -65,6 +65,8 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .batch import process_rows
+
 if TYPE_CHECKING:
     from .batch import EngineGenerationBatch
 
@@ -283,7 +285,6 @@ class Speculation:
 
     def _verify(self, batch: EngineGenerationBatch, inputs: mx.array, current: list[int],
                 proposals: list[list[int]], width: int) -> list[Any] | None:
-        n = len(batch.uids)
         rows = [[current[i], *p, *([current[i]] * (width - len(p)))] for i, p in enumerate(proposals)]
         batch._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm's __init__ types it None
         current_logprobs = batch._next_logprobs
@@ -296,20 +297,7 @@ class Speculation:
             self.max_batch = 0
             return None
         first = logits[:, 0, :]
-        token_context = []
-        all_processors = batch.logits_processors
-        if all_processors and any(all_processors):
-            parts = []
-            for e in range(n):
-                row = first[e : e + 1]
-                processors = all_processors[e] or ()
-                if processors:
-                    context = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
-                    token_context.append(context)
-                    for processor in processors:
-                        row = processor(context, row)
-                parts.append(row)
-            first = mx.concatenate(parts, axis=0)
+        first, token_context = process_rows(batch, first, inputs)
         logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
         sampled = batch._sample(logprobs)
         later = logits[:, 1:, :]
