@@ -203,6 +203,15 @@ Pool& pool() {
   return *g_pool;
 }
 
+// Threads for a job of `work` units: the pool's (or set_thread_limit's), or
+// 1 below `min_work`.
+int pool_threads(const Pool& p, double work, double min_work) {
+  int threads = p.size();
+  const int limit = g_thread_limit.load();
+  if (limit > 0 && limit < threads) threads = limit;
+  return work < min_work ? 1 : threads;
+}
+
 const KernelSet& kernels() {
   const KernelSet* k = g_kernels.load();
   return k != nullptr ? *k : select_kernels();
@@ -359,11 +368,8 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   const KernelSet& ks_set = kernels();
 
   Pool& p = pool();
-  int threads = p.size();
-  const int limit = g_thread_limit.load();
-  if (limit > 0 && limit < threads) threads = limit;
-  const double work = static_cast<double>(M) * N * K;
-  if (work < 200000.0) threads = 1;  // too small to be worth a hand-off
+  // below 200k multiply-adds a hand-off costs more than it saves
+  int threads = pool_threads(p, static_cast<double>(M) * N * K, 200000.0);
   if (threads > N) threads = N;
 
   // Both stages are split into chunks claimed by whichever thread is free
@@ -503,11 +509,8 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
   const int units = a.B * a.Hkv;
   if (units == 0) return;
   Pool& p = pool();
-  int threads = p.size();
-  const int limit = g_thread_limit.load();
-  if (limit > 0 && limit < threads) threads = limit;
-  const double work = static_cast<double>(a.B) * a.Hq * a.S * a.D;
-  if (work < 300000.0 || units == 1) threads = 1;
+  int threads = pool_threads(p, static_cast<double>(a.B) * a.Hq * a.S * a.D, 300000.0);
+  if (units == 1) threads = 1;
   if (threads == 1) {
     afm_attn::decode_attention_units(a, 0, units);
     return;
