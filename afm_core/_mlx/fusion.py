@@ -84,12 +84,8 @@ class _FusedRMSNorm(nn.RMSNorm):
     _kernels: tuple[Kernel, Kernel]  # (one token per row, any shape)
 
     def __call__(self, x: mx.array) -> mx.array:
-        weight = self["weight"]
-        ops = _layer_ops()
-        if ops is not None and x.dtype == mx.float32 and weight.dtype == mx.float32:
-            return ops.rms_norm(x, weight, self.eps)
         decode = x.ndim >= 3 and x.shape[1] == 1
-        return self._kernels[0 if decode else 1](x, weight)
+        return self._kernels[0 if decode else 1](x, self["weight"])
 
 
 class _FusedRoPE(nn.RoPE):
@@ -126,7 +122,20 @@ def _norm_kernels(eps: float) -> tuple[Kernel, Kernel]:
 
     # decode shapes repeat, and a shape-keyed trace saves the element count
     # a shapeless one computes on every call
-    return mx.compile(norm), mx.compile(norm, shapeless=True)
+    by_shape, shapeless = mx.compile(norm), mx.compile(norm, shapeless=True)
+    ops = _layer_ops()
+    if ops is None:
+        return by_shape, shapeless
+
+    def one_operation(compiled: Kernel) -> Kernel:
+        def kernel(x: mx.array, weight: mx.array) -> mx.array:
+            if x.dtype == mx.float32 and weight.dtype == mx.float32:
+                return ops.rms_norm(x, weight, eps)
+            return compiled(x, weight)
+
+        return kernel
+
+    return one_operation(by_shape), one_operation(shapeless)
 
 
 class _RopeKernels:
