@@ -89,3 +89,28 @@ def test_nothing_groups_without_the_extension(tmp_path, monkeypatch):
     model = _model(tmp_path)
     monkeypatch.setattr(_qmatmul, "_ext", None)
     assert qmm_groups.group_siblings(model) == 0
+
+
+@needs_ext
+def test_a_kv_cache_holds_only_its_own_bytes_after_a_whole_buffer_prefill(tmp_path):
+    """A prefill chunk of exactly mlx-lm's allocation step (256 tokens) makes the
+    cache's slice assignment keep the value projection's array as it is: it must be
+    the member's own array, not a view holding the whole q/k/v product alive."""
+    import gc
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _model(tmp_path)
+    _qmatmul.use_fast_qmm(model)  # groups the siblings too
+    assert type(model.model.layers[0].self_attn.v_proj).__name__ == "_GroupedQuantizedLinear"
+    for length in (256, 250):
+        gc.collect()
+        before = mx.get_active_memory()
+        cache = make_prompt_cache(model)
+        model(mx.array([[(7 * i) % 300 + 3 for i in range(length)]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        gc.collect()
+        held = mx.get_active_memory() - before
+        own = sum(c.nbytes for c in cache)
+        assert own <= held < own * 1.05, (length, held, own)
+        del cache
