@@ -155,7 +155,14 @@ class EngineGenerationBatch(GenerationBatch):
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One sampler call per distinct sampler object, results in row order."""
+        return self.sample_rows(logprobs)
+
+    def sample_rows(self, logprobs: mx.array, rows: Sequence[int] | None = None) -> mx.array:
+        """:meth:`_sample` of the batch rows ``rows`` (whose ``logprobs`` these
+        are; all rows if None): a verify step samples the rows that did not speculate."""
         row_samplers: Sequence[Sampler | None] = self.samplers or [None] * len(self.uids)
+        if rows is not None:
+            row_samplers = [row_samplers[r] for r in rows]
         samplers = [self.fallback_sampler if s is None else s for s in row_samplers]
         first = samplers[0] if samplers else self.fallback_sampler
         if all(s is first for s in samplers):
