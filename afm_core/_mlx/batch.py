@@ -77,11 +77,14 @@ class EngineGenerationBatch(GenerationBatch):
         if self.speculation is not None:
             self.speculation.retain(self.uids)
 
-    def respond(self, emitted: list[list[int]], logprobs: list[Any]) -> list[GenerationBatch.Response]:
+    def respond(self, emitted: list[list[int]], logprobs: list[Any],
+                later: list[list[Any]] | None = None) -> list[GenerationBatch.Response]:
         """mlx-lm's ``next`` bookkeeping for a step whose row ``i`` emitted the
         tokens ``emitted[i]`` (all in its cache and ``tokens``): one response
         per token, until the row's ``max_tokens`` or stop sequence ends it (the
-        cache and tokens it leaves with then end at that token)."""
+        cache and tokens it leaves with then end at that token).  The first
+        token's log-probabilities are ``logprobs[i]``, the others' ``later[i]``
+        (None where not given)."""
         keep: list[int] = []
         responses: list[GenerationBatch.Response] = []
         for i, toks in enumerate(emitted):
@@ -94,7 +97,7 @@ class EngineGenerationBatch(GenerationBatch):
                 if self._matchers[i].advance(t):
                     finish = "stop"
                 # mlx-lm types it an array; the engine reads it only for the rows asking
-                lp: Any = logprobs[i] if j == 0 else None
+                lp: Any = logprobs[i] if j == 0 else later[i][j - 1] if later and later[i] else None
                 if finish is None:
                     responses.append(self.Response(uid, t, lp, None, None, None))
                     continue

@@ -263,11 +263,9 @@ class Speculation:
             return None
         if not all(type(c) in _TRIMMABLE for c in batch.prompt_cache):
             return None
-        wanted = batch.logprob_uids
         samplers: list[Any] = batch.samplers or [None] * n
         procs = batch.logits_processors or [[]] * n
-        eligible = [_kind(s, batch.fallback_sampler) is not None and batch.uids[i] not in wanted
-                    for i, s in enumerate(samplers)]
+        eligible = [_kind(s, batch.fallback_sampler) is not None for s in samplers]
         if not any(eligible):
             return None
         inputs: mx.array = batch._next_tokens
@@ -338,11 +336,15 @@ class Speculation:
         draws = {i: self._draw(batch, i, logits, first, p) for i, p in enumerate(proposals) if p}
         wanted = batch.logprob_uids
         next_logprobs = [logprobs[i] if uid in wanted else None for i, uid in enumerate(batch.uids)]
-        mx.eval(sampled, list(draws.values()), token_context, next_logprobs, current_logprobs)
+        # the rows reading log-probabilities get them at every position they may emit
+        read = {i: draws[i][0] - mx.logsumexp(draws[i][0], axis=-1, keepdims=True)
+                for i in draws if batch.uids[i] in wanted}
+        mx.eval(sampled, [d[1:] for d in draws.values()], read, token_context, next_logprobs, current_logprobs)
         plain_ids: list[int] = sampled.tolist() if sampled is not None else []  # type: ignore[assignment]
         plain_next = dict(zip(plain, plain_ids, strict=True))
 
         emitted: list[list[int]] = []
+        later: list[list[Any]] = [[] for _ in proposals]
         nexts: list[int] = []
         surplus: list[int] = []
         for i, guess in enumerate(proposals):
@@ -351,7 +353,7 @@ class Speculation:
                 nexts.append(plain_next[i])
                 surplus.append(width)
                 continue
-            tokens, accept = draws[i]
+            _, tokens, accept = draws[i]
             target: list[int] = tokens.tolist()  # type: ignore[assignment]
             a = 0
             if accept is None:  # greedy: the guess is right where it is the target's argmax
@@ -362,6 +364,9 @@ class Speculation:
                 while a < len(guess) and ok[a]:
                     a += 1
             emitted.append([current[i], *guess[:a]])
+            if i in read:
+                later[i] = [read[i][j] for j in range(a)]
+                next_logprobs[i] = read[i][a]
             nexts.append(target[a])
             surplus.append(width - a)
             self._accepted(batch, i, guess, a)
@@ -372,11 +377,12 @@ class Speculation:
         batch._next_tokens = mx.array(nexts, dtype=mx.uint32)
         batch._next_logprobs = next_logprobs
         batch._current_logprobs = current_logprobs
-        return batch.respond(emitted, current_logprobs)
+        return batch.respond(emitted, current_logprobs, later)
 
     def _draw(self, batch: EngineGenerationBatch, i: int, logits: mx.array, first: mx.array,
-              guess: list[int]) -> tuple[mx.array, mx.array | None]:
-        """Row ``i``'s verify outcome, lazily: the token to emit at each
+              guess: list[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        """Row ``i``'s verify outcome, lazily: its processed logits at each
+        position 0..G (log-probabilities are read from them), the token to emit at each
         position 0..G if the guesses before it are accepted (and the guess
         there rejected), and for a sampled row whether each guess is accepted.
 
@@ -392,7 +398,7 @@ class Speculation:
         lp = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
         sampler = _sampler(batch, i)
         if sampler is greedy_sampler:
-            return mx.argmax(lp, axis=-1), None
+            return scores, mx.argmax(lp, axis=-1), None
         weights = sampler.distribution(lp.astype(mx.float32))
         log_p = weights - mx.logsumexp(weights, axis=-1, keepdims=True)
         ids = mx.array(guess, dtype=mx.uint32)[:, None]
@@ -404,7 +410,7 @@ class Speculation:
         # p_j(x_j) == 1 leaves nothing to draw from on rejection: always accepted
         accept = (u < p_guess) | mx.all(rest == -mx.inf, axis=-1)
         tokens = mx.random.categorical(mx.concatenate([rest, weights[g:]], axis=0), key=key_token)
-        return tokens, accept
+        return scores, tokens, accept
 
     def _accepted(self, batch: EngineGenerationBatch, i: int, guess: list[int], a: int) -> None:
         """Bookkeeping after row ``i`` accepted ``a`` of its ``guess``: counters,

@@ -151,3 +151,31 @@ async def test_quantized_cache_with_speculation(kind: str, kv_model_dir: Path) -
         spec = await token_ids(engine, PROMPTS, lengths)
         assert engine.statistics().spec_steps > 0
     assert spec == plain
+
+
+@pytest.mark.parametrize("model", ["random", "echo"])
+async def test_logprobs_rows_speculate(model: str, random_model_dir: Path, tmp_path: Path) -> None:
+    """A row reading log-probabilities speculates: each accepted token's come
+    from its position of the verify pass (equal to a plain step's to float
+    rounding), with the same tokens."""
+    from afm_core.testing import make_echo_model
+
+    path = random_model_dir if model == "random" else make_echo_model(tmp_path / "echo", all_positions=True)
+    text = PROMPTS[0] if model == "random" else " ".join(["lorem ipsum dolor sit amet"] * 6)
+    # the random model as its own draft: every guess right; the echo's lookups: mostly right
+    spec_kw = spec_settings("draft", path) if model == "random" else {"prompt_lookup": 4}
+    r = req(text, max_tokens=30, logprobs=True, top_logprobs=3, enable_thinking=False)
+    async with open_engine(path, warmup=False, spec_max_batch=0) as engine:
+        plain = await engine.complete(r)
+    async with open_engine(path, warmup=False, **spec_kw) as engine:
+        spec = await engine.complete(r)
+        stats = engine.statistics()
+    assert stats.spec_accepted > 0
+    assert spec["choices"][0]["message"] == plain["choices"][0]["message"]
+    got, want = spec["choices"][0]["logprobs"]["content"], plain["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in got] == [t["token"] for t in want] and len(got) > 5
+    assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in want], abs=1e-4)
+    assert [x["token"] for t in got for x in t["top_logprobs"]] == \
+        [x["token"] for t in want for x in t["top_logprobs"]]
+    assert [x["logprob"] for t in got for x in t["top_logprobs"]] == \
+        pytest.approx([x["logprob"] for t in want for x in t["top_logprobs"]], abs=1e-4)
