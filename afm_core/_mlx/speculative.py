@@ -2,12 +2,13 @@
 
 A *proposer* guesses the next few tokens of a row; one forward pass of the
 target model over ``[current token, guess_1 .. guess_k]`` (the *verify step*)
-gives the target's own choice at each of those positions, and the longest
-prefix of the guess the target agrees with is emitted at once, with the
-target's token after it.  Output is the target's greedy output; on this
-CPU a forward of k+1 tokens costs much less than k+1 single-token steps (a
-small model's step is mostly per-operation overhead), so every accepted
-guess is a step saved.
+gives the target's distribution at each of those positions, and the
+longest prefix of the guess the target accepts is emitted at once, with a
+token of the target's after it.  Output is the target's own (the same greedy
+tokens; for a sampled row the same distribution); on this CPU a forward of
+k+1 tokens costs much less than k+1 single-token steps (a small model's
+step is mostly per-operation overhead), so every accepted guess is a step
+saved.
 
 Two proposers (one per engine, behind the same verify step):
 
@@ -24,18 +25,40 @@ Two proposers (one per engine, behind the same verify step):
   batch (:meth:`Speculation.retain`, from the batch's ``filter``).
 
 **When a step speculates** (:meth:`Speculation.step`): the decode batch has
-at most ``max_batch`` rows, every layer's cache is mlx-lm's
-``BatchKVCache`` (trimmable), and at least one row is *eligible* and got a
-proposal.  A row is eligible when its sampler is greedy
-(``temperature`` 0), it has no logits processors (grammar, penalties,
-``logit_bias``) and its log-probabilities are not read: for those rows the
-target's choice is an ``argmax`` that does not depend on what the row
-generated before within the step.  The other rows of the batch still run in
-the verify pass, with nothing proposed: their position 0 goes through the
+at most ``max_batch`` rows, every layer's cache is trimmable (mlx-lm's
+``BatchKVCache`` or the quantized :class:`~.quantized_cache.BatchQuantizedKVCache`),
+and at least one row is *eligible* and got a proposal.  A row is eligible
+when its sampler is greedy or exposes its distribution (``distribution`` and
+``keys``: ``afm_core._engine.sampling.FilteredSampler``, every sampled
+request's).  Rows that propose nothing (resting, no match, another
+sampler) still run in the verify pass: their position 0 goes through the
 batch's normal processors, log-probabilities and sampler, exactly as in a
 plain step, so a batch never has to choose between speculation and its
 other requests.  Above ``max_batch`` rows the plain batched step runs; the
-choice is made again before every step.
+choice is made again before every step.  Each row's LoRA adapter
+(``batch.adapters``) is selected for all of its positions.
+
+**Acceptance** (:meth:`Speculation._draw`).  At position ``j`` the row's
+logits go through its logits processors fed its tokens, the current one
+and ``guess[:j]`` (what a plain step at that position would feed them).  A
+greedy row accepts the guess while it equals the argmax.  A sampled row
+uses speculative sampling with a deterministic proposal (a point mass):
+guess ``x_j`` is accepted with probability ``p_j(x_j)``, ``p_j`` the
+sampler's distribution there (filters and temperature applied); at the
+first rejection the token is drawn from ``p_j`` without ``x_j``,
+renormalized; after the whole guess, from the next position's ``p``.  Each
+token then has exactly the distribution of a plain step's draw.  A seeded
+sampler gives the step's random draws from its own key, so the same seed
+gives the same tokens again.
+
+**Stateful processors** (the grammar, ``afm_core._engine.grammar``) offer
+``valid_prefix(tokens, guess)`` and ``rollback(n)``: a guess is cut before
+its first token the grammar forbids (never accepted, and the grammar
+cannot advance past it to mask the next positions), and after the verify
+step the grammar forgets the guessed tokens that were not accepted.  Other
+processors (penalties, ``logit_bias``) are functions of the tokens they are
+given.  Rows reading log-probabilities get each emitted token's from its
+position of the verify pass (after processors, as a plain step's).
 
 **The cache after a verify step.**  Every row computed ``1 + K`` positions
 (``K`` the longest proposal, at most ``VERIFY_ROWS`` rows in all; shorter
