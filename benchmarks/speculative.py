@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/speculative.py [--model default|random|DIR] [--levels 1,2,4,8]
         [--rounds 3] [--max-tokens 200] [--lookup 4] [--draft-layers 6] [--draft DIR] [--draft-tokens 3]
+        [--temperature 0]
 
 Engines on the same model, all open at once and taking turns (interleaved
 rounds, so the machine's noise hits each alike): ``off`` (no speculation),
@@ -10,7 +11,8 @@ rounds, so the machine's noise hits each alike): ``off`` (no speculation),
 speculating engine has ``spec_max_batch`` at the widest level, so every
 level measures speculation itself (the threshold is chosen from that).
 
-Two greedy workloads: ``rewrite`` (a code snippet to repeat with one
+Two workloads, greedy unless ``--temperature`` (then sampled: speculative
+sampling; the texts differ from ``off``'s by design, so "same text" is "-"): ``rewrite`` (a code snippet to repeat with one
 change: the output repeats the prompt, what prompt lookup is for) and
 ``chat`` (a short essay: little to look up).  At each level C, C requests
 of the workload run concurrently; reported per engine: aggregate decode
@@ -89,7 +91,8 @@ def make_layer_draft(model: Path, layers: int, out: Path) -> Path:
     return out
 
 
-async def run_level(engine: afm_core.Engine, prompt: str, c: int, max_tokens: int) -> tuple[float, int, list[str]]:
+async def run_level(engine: afm_core.Engine, prompt: str, c: int, max_tokens: int,
+                    temperature: float = 0.0) -> tuple[float, int, list[str]]:
     """C concurrent greedy requests: (decode seconds, decode tokens, texts).
     Decode time runs from the first request's first token to the last
     request's end, and its tokens leave out each request's first one, so the
@@ -102,7 +105,8 @@ async def run_level(engine: afm_core.Engine, prompt: str, c: int, max_tokens: in
     firsts: list[float] = []
 
     async def one(i: int) -> None:
-        request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                   "temperature": temperature}
         parts = []
         async with engine.stream(request) as s:
             async for e in s:
@@ -136,7 +140,7 @@ async def main(args: argparse.Namespace) -> None:
     if draft is not None:
         configs["draft"] = {"draft_model": str(draft), "draft_tokens": args.draft_tokens, "spec_max_batch": widest}
     print(f"model {model}; draft {draft or '-'}; levels {levels}; {args.rounds} interleaved rounds; "
-          f"{args.max_tokens} tokens per request, greedy")
+          f"{args.max_tokens} tokens per request, temperature {args.temperature}")
     rates: dict[tuple[str, str, int], list[float]] = {}
     ratios: dict[tuple[str, str, int], list[float]] = {}
     counts: dict[tuple[str, str, int], list[int]] = {}
@@ -152,7 +156,7 @@ async def main(args: argparse.Namespace) -> None:
                     base_texts: list[str] = []
                     for name, engine in engines.items():
                         s0 = engine.statistics()
-                        dt, toks, texts = await run_level(engine, prompt, c, args.max_tokens)
+                        dt, toks, texts = await run_level(engine, prompt, c, args.max_tokens, args.temperature)
                         s1 = engine.statistics()
                         key = (wl, name, c)
                         rate = toks / dt
@@ -182,7 +186,7 @@ async def main(args: argparse.Namespace) -> None:
                 acc = f"{a / p:.0%}" if p else "-"
                 per = f"{p / steps:.2f}" if steps else "-"
                 print(f"{wl:<8} {c:>2} {name:<7} {med:>8.1f} {statistics.median(ratios[key]):>6.2f} {acc:>7} "
-                      f"{per:>9} {'yes' if same[key] else 'NO':>9}")
+                      f"{per:>9} {'-' if args.temperature else 'yes' if same[key] else 'NO':>9}")
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -196,4 +200,5 @@ if __name__ == "__main__":
     ap.add_argument("--draft", default=None, help="a draft model directory")
     ap.add_argument("--draft-layers", type=int, default=0, help="make a draft of the model's first N layers")
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled requests at this temperature")
     trio.run(main, ap.parse_args())

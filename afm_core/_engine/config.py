@@ -184,13 +184,16 @@ class EngineConfig:
 
     prompt_lookup: int = 0
     """Speculative decoding by prompt lookup: when the last tokens of a
-    greedy stream (``temperature`` 0, no grammar, penalties, ``logit_bias``
-    or ``logprobs``) occurred earlier in its prompt or output, the tokens
-    that followed them there (at most this many) are checked by one forward
-    pass of the model, and those it agrees with are emitted at once.  The
-    output is the same tokens; text that repeats its prompt (edits of code or
-    a document, quotes, extraction) comes faster.  0 (the default) disables
-    it.  See ``spec_max_batch`` and :mod:`afm_core._mlx.speculative`."""
+    stream (one not reading ``logprobs``) occurred earlier in its prompt or
+    output, the tokens that followed them there (at most this many) are
+    checked by one forward pass of the model, and those it agrees with are
+    emitted at once.  Greedy output is the same tokens; sampled output
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``) has the same
+    distribution (speculative sampling); grammar, penalties and
+    ``logit_bias`` apply at every checked position.  Text that repeats its
+    prompt (edits of code or a document, quotes, extraction) comes faster.
+    0 (the default) disables it.  See ``spec_max_batch`` and
+    :mod:`afm_core._mlx.speculative`."""
     draft_model: str | Path | None = None
     """A smaller model with the same tokenizer (a path or Hugging Face id)
     whose greedy guesses (``draft_tokens`` per step) the model checks, as
@@ -227,11 +230,6 @@ class EngineConfig:
             raise ValueError("prompt_lookup and spec_max_batch must be >= 0, draft_tokens >= 1")
         if self.distributed is not None and self.spec_max_batch and (self.prompt_lookup or self.draft_model):
             raise ValueError("speculative decoding (prompt_lookup, draft_model) cannot be used with distributed")
-        speculating = self.spec_max_batch and (self.prompt_lookup or self.draft_model is not None)
-        if speculating and (self.adapters or self.kv_bits is not None):
-            # its verify pass neither selects rows' adapters nor trims a quantized cache (yet)
-            raise ValueError("speculative decoding (prompt_lookup, draft_model) cannot be used "
-                             "with adapters or kv_bits")
         if self.cache_disk_bytes < 0:
             raise ValueError("cache_disk_bytes must be >= 0")
         names = [name for name, _ in self.adapters]

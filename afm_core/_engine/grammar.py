@@ -199,34 +199,65 @@ def grammar_processor(lark: str, tokenizer: Any, prompt_len: int) -> tuple[Gramm
 
 
 class GrammarProcessor:
-    """Logits processor masking tokens outside the grammar."""
+    """Logits processor masking tokens outside the grammar.
+
+    Speculative decoding (``afm_core._mlx.speculative``) calls it at several
+    positions of one verify step, each with the tokens before that position,
+    after asking :meth:`valid_prefix` how much of its guess the grammar allows;
+    :meth:`rollback` then forgets the guessed tokens the model did not accept."""
 
     def __init__(self, matcher: Any, prompt_len: int):
         self.matcher = matcher
         self.prompt_len = prompt_len
         self.consumed = 0
+        """Generated tokens seen (fed to the matcher, or past its end: ``_unfed``)."""
+        self._unfed = 0
+        """The last of those the matcher did not take: it had stopped (see ``_catch_up``)."""
         self._mask: np.ndarray | None = None
 
-    def __call__(self, tokens: Any, logits: Any) -> Any:
-        import llguidance.numpy as llnp
-        import mlx.core as mx
-
+    def _catch_up(self, tokens: Any) -> None:
         m = self.matcher
         generated = tokens.size - self.prompt_len
         if generated > self.consumed:
             new = tokens[self.prompt_len + self.consumed :].tolist()
             self.consumed = generated
-            for t in new:
+            for i, t in enumerate(new):
                 if m.is_stopped():
                     # the grammar is complete and ``t`` is the end of sequence:
                     # mlx-lm's pipelined step still runs once past it
+                    self._unfed += len(new) - i
                     break
                 if not m.consume_token(int(t)):
                     raise RuntimeError(f"grammar rejected the output: {m.get_error()}")
+
+    def valid_prefix(self, tokens: Any, guess: list[int]) -> int:
+        """How many tokens of ``guess`` the grammar allows after ``tokens``
+        (the row's tokens so far, which it takes in as a call would)."""
+        self._catch_up(tokens)
+        if self.matcher.is_stopped():
+            return 0
+        n: int = self.matcher.validate_tokens(guess)
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens seen."""
+        if n <= 0:
+            return
+        unfed = min(n, self._unfed)
+        self._unfed -= unfed
+        if n > unfed and not self.matcher.rollback(n - unfed):
+            raise RuntimeError(f"grammar could not roll back {n - unfed} tokens: {self.matcher.get_error()}")
+        self.consumed -= n
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import llguidance.numpy as llnp
+        import mlx.core as mx
+
+        self._catch_up(tokens)
         vocab = logits.shape[-1]
         if self._mask is None:
             self._mask = llnp.allocate_token_bitmask(1, vocab)
-        llnp.fill_next_token_bitmask(m, self._mask)
+        llnp.fill_next_token_bitmask(self.matcher, self._mask)
         bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
         allowed = np.zeros(vocab, dtype=bool)
         n = min(vocab, bits.size)

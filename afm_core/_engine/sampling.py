@@ -18,7 +18,6 @@ from mlx_lm.sample_utils import (
     apply_top_p,
     greedy_sampler,
     make_logits_processors,
-    make_sampler,
 )
 
 from .._stream.request import ChatRequest, CompletionRequest
@@ -42,30 +41,59 @@ class SamplerCache:
         top_k = req.top_k if req.top_k < vocab_size else 0
         key = (req.temperature, req.top_p, req.min_p, top_k)
         if req.seed is not None:
-            return _seeded_sampler(req, req.seed, top_k)
+            return FilteredSampler(req.temperature, req.top_p, req.min_p, top_k, seed=req.seed)
         sampler = self._shared.get(key)
         if sampler is None:
-            sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=top_k)
+            sampler = FilteredSampler(req.temperature, req.top_p, req.min_p, top_k)
             self._shared[key] = sampler
         return sampler
 
 
-def _seeded_sampler(req: Request, seed: int, top_k: int) -> Sampler:
-    key = mx.random.key(seed % (2**63))
-    state = [key]
-    temp, top_p, min_p = req.temperature, req.top_p, req.min_p
+class FilteredSampler:
+    """mlx-lm's ``make_sampler`` (top_p, min_p, top_k, then temperature)
+    that also exposes the distribution it draws from.
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p:
-            logprobs = apply_min_p(logprobs, min_p, 1)
-        if top_k > 0:
-            logprobs = apply_top_k(logprobs, top_k)
-        state[0], sub = mx.random.split(state[0])
-        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+    Speculative sampling (``afm_core._mlx.speculative``) needs the row's
+    filtered distribution at several positions, not one draw: :meth:`distribution`
+    gives its log-weights, :meth:`keys` the random keys of one verify step.
+    With a ``seed`` the sampler owns a PRNG key (its output does not depend on
+    what else is in the batch, and the same seed gives the same tokens);
+    without one it draws from MLX's global generator, as ``make_sampler`` does.
+    """
 
-    return sampler
+    __slots__ = ("_key", "min_p", "temp", "top_k", "top_p")
+
+    def __init__(self, temp: float, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0,
+                 *, seed: int | None = None) -> None:
+        self.temp, self.top_p, self.min_p, self.top_k = temp, top_p, min_p, top_k
+        self._key = None if seed is None else mx.random.key(seed % (2**63))
+
+    def distribution(self, logprobs: mx.array) -> mx.array:
+        """Log-weights (unnormalized) of the tokens this sampler draws, per row of ``logprobs``."""
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs * (1.0 / self.temp)
+
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def keys(self) -> tuple[mx.array | None, mx.array | None]:
+        """Two keys for one verify step (acceptance draws, token draws); None: the global generator."""
+        sub = self._next_key()
+        if sub is None:
+            return None, None
+        a, b = mx.random.split(sub)
+        return a, b
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.distribution(logprobs), key=self._next_key())
 
 
 def logits_processors(req: Request, vocab_size: int) -> list[Processor]:
@@ -100,6 +128,29 @@ class GuardedProcessor:
         except Exception as exc:  # noqa: BLE001 - isolated per request
             self.error = exc
             return logits
+
+    def valid_prefix(self, tokens: mx.array, guess: list[int]) -> int:
+        """How many tokens of a speculative ``guess`` after ``tokens`` the
+        processor allows (all, unless it keeps state: the grammar's)."""
+        check = getattr(self.inner, "valid_prefix", None)
+        if check is None or self.error is not None:
+            return len(guess)
+        try:
+            n: int = check(tokens, guess)
+        except Exception as exc:  # noqa: BLE001 - isolated per request
+            self.error = exc
+            return 0
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens a stateful processor saw (guesses not accepted)."""
+        undo = getattr(self.inner, "rollback", None)
+        if undo is None or self.error is not None:
+            return
+        try:
+            undo(n)
+        except Exception as exc:  # noqa: BLE001 - isolated per request
+            self.error = exc
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> tuple[list[int], list[float]]:

@@ -77,11 +77,14 @@ class EngineGenerationBatch(GenerationBatch):
         if self.speculation is not None:
             self.speculation.retain(self.uids)
 
-    def respond(self, emitted: list[list[int]], logprobs: list[Any]) -> list[GenerationBatch.Response]:
+    def respond(self, emitted: list[list[int]], logprobs: list[Any],
+                later: list[list[Any]] | None = None) -> list[GenerationBatch.Response]:
         """mlx-lm's ``next`` bookkeeping for a step whose row ``i`` emitted the
         tokens ``emitted[i]`` (all in its cache and ``tokens``): one response
         per token, until the row's ``max_tokens`` or stop sequence ends it (the
-        cache and tokens it leaves with then end at that token)."""
+        cache and tokens it leaves with then end at that token).  The first
+        token's log-probabilities are ``logprobs[i]``, the others' ``later[i]``
+        (None where not given)."""
         keep: list[int] = []
         responses: list[GenerationBatch.Response] = []
         for i, toks in enumerate(emitted):
@@ -94,7 +97,7 @@ class EngineGenerationBatch(GenerationBatch):
                 if self._matchers[i].advance(t):
                     finish = "stop"
                 # mlx-lm types it an array; the engine reads it only for the rows asking
-                lp: Any = logprobs[i] if j == 0 else None
+                lp: Any = logprobs[i] if j == 0 else later[i][j - 1] if later and later[i] else None
                 if finish is None:
                     responses.append(self.Response(uid, t, lp, None, None, None))
                     continue
@@ -155,7 +158,14 @@ class EngineGenerationBatch(GenerationBatch):
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         """One sampler call per distinct sampler object, results in row order."""
+        return self.sample_rows(logprobs)
+
+    def sample_rows(self, logprobs: mx.array, rows: Sequence[int] | None = None) -> mx.array:
+        """:meth:`_sample` of the batch rows ``rows`` (whose ``logprobs`` these
+        are; all rows if None): a verify step samples the rows that did not speculate."""
         row_samplers: Sequence[Sampler | None] = self.samplers or [None] * len(self.uids)
+        if rows is not None:
+            row_samplers = [row_samplers[r] for r in rows]
         samplers = [self.fallback_sampler if s is None else s for s in row_samplers]
         first = samplers[0] if samplers else self.fallback_sampler
         if all(s is first for s in samplers):

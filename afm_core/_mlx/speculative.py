@@ -2,12 +2,13 @@
 
 A *proposer* guesses the next few tokens of a row; one forward pass of the
 target model over ``[current token, guess_1 .. guess_k]`` (the *verify step*)
-gives the target's own choice at each of those positions, and the longest
-prefix of the guess the target agrees with is emitted at once, with the
-target's token after it.  Output is the target's greedy output; on this
-CPU a forward of k+1 tokens costs much less than k+1 single-token steps (a
-small model's step is mostly per-operation overhead), so every accepted
-guess is a step saved.
+gives the target's distribution at each of those positions, and the
+longest prefix of the guess the target accepts is emitted at once, with a
+token of the target's after it.  Output is the target's own (the same greedy
+tokens; for a sampled row the same distribution); on this CPU a forward of
+k+1 tokens costs much less than k+1 single-token steps (a small model's
+step is mostly per-operation overhead), so every accepted guess is a step
+saved.
 
 Two proposers (one per engine, behind the same verify step):
 
@@ -24,18 +25,40 @@ Two proposers (one per engine, behind the same verify step):
   batch (:meth:`Speculation.retain`, from the batch's ``filter``).
 
 **When a step speculates** (:meth:`Speculation.step`): the decode batch has
-at most ``max_batch`` rows, every layer's cache is mlx-lm's
-``BatchKVCache`` (trimmable), and at least one row is *eligible* and got a
-proposal.  A row is eligible when its sampler is greedy
-(``temperature`` 0), it has no logits processors (grammar, penalties,
-``logit_bias``) and its log-probabilities are not read: for those rows the
-target's choice is an ``argmax`` that does not depend on what the row
-generated before within the step.  The other rows of the batch still run in
-the verify pass, with nothing proposed: their position 0 goes through the
+at most ``max_batch`` rows, every layer's cache is trimmable (mlx-lm's
+``BatchKVCache`` or the quantized :class:`~.quantized_cache.BatchQuantizedKVCache`),
+and at least one row is *eligible* and got a proposal.  A row is eligible
+when its sampler is greedy or exposes its distribution (``distribution`` and
+``keys``: ``afm_core._engine.sampling.FilteredSampler``, every sampled
+request's).  Rows that propose nothing (resting, no match, another
+sampler) still run in the verify pass: their position 0 goes through the
 batch's normal processors, log-probabilities and sampler, exactly as in a
 plain step, so a batch never has to choose between speculation and its
 other requests.  Above ``max_batch`` rows the plain batched step runs; the
-choice is made again before every step.
+choice is made again before every step.  Each row's LoRA adapter
+(``batch.adapters``) is selected for all of its positions.
+
+**Acceptance** (:meth:`Speculation._draw`).  At position ``j`` the row's
+logits go through its logits processors fed its tokens, the current one
+and ``guess[:j]`` (what a plain step at that position would feed them).  A
+greedy row accepts the guess while it equals the argmax.  A sampled row
+uses speculative sampling with a deterministic proposal (a point mass):
+guess ``x_j`` is accepted with probability ``p_j(x_j)``, ``p_j`` the
+sampler's distribution there (filters and temperature applied); at the
+first rejection the token is drawn from ``p_j`` without ``x_j``,
+renormalized; after the whole guess, from the next position's ``p``.  Each
+token then has exactly the distribution of a plain step's draw.  A seeded
+sampler gives the step's random draws from its own key, so the same seed
+gives the same tokens again.
+
+**Stateful processors** (the grammar, ``afm_core._engine.grammar``) offer
+``valid_prefix(tokens, guess)`` and ``rollback(n)``: a guess is cut before
+its first token the grammar forbids (never accepted, and the grammar
+cannot advance past it to mask the next positions), and after the verify
+step the grammar forgets the guessed tokens that were not accepted.  Other
+processors (penalties, ``logit_bias``) are functions of the tokens they are
+given.  Rows reading log-probabilities get each emitted token's from its
+position of the verify pass (after processors, as a plain step's).
 
 **The cache after a verify step.**  Every row computed ``1 + K`` positions
 (``K`` the longest proposal, at most ``VERIFY_ROWS`` rows in all; shorter
@@ -66,6 +89,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from .batch import process_rows
+from .quantized_cache import BatchQuantizedKVCache
 
 if TYPE_CHECKING:
     from .batch import EngineGenerationBatch
@@ -83,6 +107,9 @@ MAX_REST = 16
 """Most steps a row whose guesses keep missing goes without proposing."""
 
 _GEMM_ROWS = int(os.environ.get("AFM_QMM_GEMM_ROWS", "32") or 32)
+_TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache)
+"""Batch caches a verify step can trim back."""
+
 VERIFY_ROWS = _GEMM_ROWS - 1 if _GEMM_ROWS > 1 else 1 << 20
 """Most rows (streams x positions) a verify step computes.  From
 ``AFM_QMM_GEMM_ROWS`` rows (32) the quantized product dequantizes whole
@@ -257,13 +284,11 @@ class Speculation:
         cap = min(self.tokens, VERIFY_ROWS // max(n, 1) - 1)
         if n == 0 or n > self.max_batch or cap < 1:
             return None
-        if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
+        if not all(type(c) in _TRIMMABLE for c in batch.prompt_cache):
             return None
-        wanted = batch.logprob_uids
         samplers: list[Any] = batch.samplers or [None] * n
         procs = batch.logits_processors or [[]] * n
-        eligible = [(s is greedy_sampler or (s is None and batch.fallback_sampler is greedy_sampler))
-                    and not procs[i] and batch.uids[i] not in wanted for i, s in enumerate(samplers)]
+        eligible = [_kind(s, batch.fallback_sampler) is not None for s in samplers]
         if not any(eligible):
             return None
         inputs: mx.array = batch._next_tokens
@@ -277,18 +302,48 @@ class Speculation:
                 k = min(cap, room)
                 if k > 0:
                     guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], k)[:k]
+                    if guess and procs[i]:
+                        guess = self._allowed(batch, i, inputs, guess)
             proposals.append(guess)
         width = max(len(p) for p in proposals)
         if width == 0:
             return None
         return self._verify(batch, inputs, current, proposals, width)
 
+    def _allowed(self, batch: EngineGenerationBatch, i: int, inputs: mx.array, guess: list[int]) -> list[int]:
+        """The part of row ``i``'s ``guess`` its stateful processors (a grammar)
+        allow: a guess the grammar forbids is never accepted, and the grammar
+        cannot be advanced past it to mask the positions after it."""
+        keep = len(guess)
+        context = None
+        for p in (batch.logits_processors or [[]] * len(batch.uids))[i]:
+            check = getattr(p, "valid_prefix", None)
+            if check is None:
+                continue
+            if context is None:
+                before = batch._token_context[i].tokens
+                context = mx.concatenate([before, inputs[i : i + 1].astype(before.dtype)])
+            keep = min(keep, check(context, guess[:keep]))
+            if keep == 0:
+                break
+        if keep == 0:
+            # nothing proposed after all: the draft's cache drops its guesses
+            self.proposer.accepted(batch.uids[i], len(batch.tokens[i]) + 1, 0, 0)
+        return guess[:keep]
+
     def _verify(self, batch: EngineGenerationBatch, inputs: mx.array, current: list[int],
                 proposals: list[list[int]], width: int) -> list[Any] | None:
         rows = [[current[i], *p, *([current[i]] * (width - len(p)))] for i, p in enumerate(proposals)]
         batch._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm's __init__ types it None
         current_logprobs = batch._next_logprobs
-        logits = batch.model(mx.array(rows, dtype=mx.uint32), cache=batch.prompt_cache)
+        adapters = batch.adapters
+        if adapters is not None:  # a row's adapter applies to all of its positions
+            adapters.select_rows(batch.uids)
+        try:
+            logits = batch.model(mx.array(rows, dtype=mx.uint32), cache=batch.prompt_cache)
+        finally:
+            if adapters is not None:
+                adapters.clear()
         if logits.ndim != 3 or logits.shape[1] != width + 1:
             # the model returns its last position's logits only: it cannot verify
             for c in batch.prompt_cache:
@@ -296,45 +351,145 @@ class Speculation:
             log.warning("speculative decoding is off: the model does not return every position's logits")
             self.max_batch = 0
             return None
-        first = logits[:, 0, :]
-        first, token_context = process_rows(batch, first, inputs)
+        # position 0 of every row through its processors (their contexts take the current token)
+        first, token_context = process_rows(batch, logits[:, 0, :], inputs)
         logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
-        sampled = batch._sample(logprobs)
-        later = logits[:, 1:, :]
-        greedy = mx.argmax(later - mx.logsumexp(later, axis=-1, keepdims=True), axis=-1)
+        plain = [i for i, p in enumerate(proposals) if not p]
+        sampled = batch.sample_rows(logprobs[mx.array(plain)], plain) if plain else None
+        draws = {i: self._draw(batch, i, logits, first, p) for i, p in enumerate(proposals) if p}
         wanted = batch.logprob_uids
         next_logprobs = [logprobs[i] if uid in wanted else None for i, uid in enumerate(batch.uids)]
-        mx.eval(sampled, greedy, token_context, next_logprobs, current_logprobs)
-        first_ids: list[int] = sampled.tolist()  # type: ignore[assignment]
-        later_ids: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+        # the rows reading log-probabilities get them at every position they may emit
+        read = {i: draws[i][0] - mx.logsumexp(draws[i][0], axis=-1, keepdims=True)
+                for i in draws if batch.uids[i] in wanted}
+        mx.eval(sampled, [d[1:] for d in draws.values()], read, token_context, next_logprobs, current_logprobs)
+        plain_ids: list[int] = sampled.tolist() if sampled is not None else []  # type: ignore[assignment]
+        plain_next = dict(zip(plain, plain_ids, strict=True))
 
         emitted: list[list[int]] = []
+        later: list[list[Any]] = [[] for _ in proposals]
         nexts: list[int] = []
         surplus: list[int] = []
         for i, guess in enumerate(proposals):
-            target = [first_ids[i], *later_ids[i]]
+            if not guess:
+                emitted.append([current[i]])
+                nexts.append(plain_next[i])
+                surplus.append(width)
+                continue
+            _, tokens, accept = draws[i]
+            target: list[int] = tokens.tolist()  # type: ignore[assignment]
             a = 0
-            while a < len(guess) and guess[a] == target[a]:
-                a += 1
+            if accept is None:  # greedy: the guess is right where it is the target's argmax
+                while a < len(guess) and guess[a] == target[a]:
+                    a += 1
+            else:
+                ok: list[bool] = accept.tolist()  # type: ignore[assignment]
+                while a < len(guess) and ok[a]:
+                    a += 1
             emitted.append([current[i], *guess[:a]])
+            if i in read:
+                later[i] = [read[i][j] for j in range(a)]
+                next_logprobs[i] = read[i][a]
             nexts.append(target[a])
             surplus.append(width - a)
-            if guess:
-                self._rest(batch.uids[i], a)
-                self.proposer.accepted(batch.uids[i], len(batch.tokens[i]) + 1, len(guess), a)
-                counts = self.by_uid.setdefault(batch.uids[i], [0, 0])
-                counts[0] += len(guess)
-                counts[1] += a
-                self.proposed += len(guess)
-                self.accepted += a
+            self._accepted(batch, i, guess, a)
         self.steps += 1
         _drop_surplus(batch.prompt_cache, surplus)
         for seq, toks in zip(batch.tokens, emitted, strict=True):
             seq.extend(toks)
-        batch._next_tokens = mx.array(nexts, dtype=sampled.dtype)
+        batch._next_tokens = mx.array(nexts, dtype=mx.uint32)
         batch._next_logprobs = next_logprobs
         batch._current_logprobs = current_logprobs
-        return batch.respond(emitted, current_logprobs)
+        return batch.respond(emitted, current_logprobs, later)
+
+    def _draw(self, batch: EngineGenerationBatch, i: int, logits: mx.array, first: mx.array,
+              guess: list[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        """Row ``i``'s verify outcome, lazily: its processed logits at each
+        position 0..G (log-probabilities are read from them), the token to emit at each
+        position 0..G if the guesses before it are accepted (and the guess
+        there rejected), and for a sampled row whether each guess is accepted.
+
+        Greedy: the target's argmax at each position.  Sampled (the proposal
+        is one token, a point mass): guess ``x_j`` is accepted with probability
+        ``p_j(x_j)``, ``p_j`` the row's sampling distribution there (its
+        processors, filters and temperature applied); on rejection the token
+        is drawn from ``p_j`` without ``x_j``, renormalized; after ``G``
+        accepted guesses from ``p_G``.  Each emitted token is then distributed
+        exactly as the row's sampler would draw it, one token at a time."""
+        g = len(guess)
+        scores = _processed(batch, i, logits, first, guess)
+        lp = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        sampler = _sampler(batch, i)
+        if sampler is greedy_sampler:
+            return scores, mx.argmax(lp, axis=-1), None
+        weights = sampler.distribution(lp.astype(mx.float32))
+        log_p = weights - mx.logsumexp(weights, axis=-1, keepdims=True)
+        ids = mx.array(guess, dtype=mx.uint32)[:, None]
+        p_guess = mx.exp(mx.take_along_axis(log_p[:g], ids, axis=-1))[:, 0]
+        hit = mx.arange(weights.shape[-1], dtype=mx.uint32)[None, :] == ids
+        rest = mx.where(hit, -mx.inf, weights[:g])
+        key_accept, key_token = sampler.keys()
+        u = mx.random.uniform(shape=(g,), key=key_accept)
+        # p_j(x_j) == 1 leaves nothing to draw from on rejection: always accepted
+        accept = (u < p_guess) | mx.all(rest == -mx.inf, axis=-1)
+        tokens = mx.random.categorical(mx.concatenate([rest, weights[g:]], axis=0), key=key_token)
+        return scores, tokens, accept
+
+    def _accepted(self, batch: EngineGenerationBatch, i: int, guess: list[int], a: int) -> None:
+        """Bookkeeping after row ``i`` accepted ``a`` of its ``guess``: counters,
+        the proposer, and its processors' state (their contexts take the
+        accepted tokens; a stateful one forgets the rest)."""
+        uid = batch.uids[i]
+        self._rest(uid, a)
+        self.proposer.accepted(uid, len(batch.tokens[i]) + 1, len(guess), a)
+        counts = self.by_uid.setdefault(uid, [0, 0])
+        counts[0] += len(guess)
+        counts[1] += a
+        self.proposed += len(guess)
+        self.accepted += a
+        procs = batch.logits_processors[i] if batch.logits_processors else None
+        if procs:
+            for p in procs:
+                undo = getattr(p, "rollback", None)
+                if undo is not None:
+                    undo(len(guess) - a)
+            if a:
+                batch._token_context[i].update_and_fetch(mx.array(guess[:a], dtype=mx.int32))
+
+
+def _kind(sampler: Any, fallback: Any) -> str | None:
+    """``greedy``, ``sampled`` (it exposes its distribution: see
+    ``afm_core._engine.sampling.FilteredSampler``) or None: it cannot speculate."""
+    s = fallback if sampler is None else sampler
+    if s is greedy_sampler:
+        return "greedy"
+    if callable(getattr(s, "distribution", None)) and callable(getattr(s, "keys", None)):
+        return "sampled"
+    return None
+
+
+def _sampler(batch: EngineGenerationBatch, i: int) -> Any:
+    s = batch.samplers[i] if batch.samplers else None
+    return batch.fallback_sampler if s is None else s
+
+
+def _processed(batch: EngineGenerationBatch, i: int, logits: mx.array, first: mx.array,
+               guess: list[int]) -> mx.array:
+    """Row ``i``'s logits at positions 0..len(guess), each through the row's
+    processors fed the tokens before it (``first``: position 0, done)."""
+    g = len(guess)
+    procs = batch.logits_processors[i] if batch.logits_processors else None
+    if not procs:
+        return mx.concatenate([first[i : i + 1], logits[i, 1 : g + 1]], axis=0)
+    before = batch._token_context[i].tokens  # through the current token
+    rows = [first[i : i + 1]]
+    for j in range(1, g + 1):
+        context = mx.concatenate([before, mx.array(guess[:j], dtype=before.dtype)])
+        row = logits[i, j : j + 1]
+        for p in procs:
+            row = p(context, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)
 
 
 def _drop_surplus(cache: list[Any], surplus: list[int]) -> None:
