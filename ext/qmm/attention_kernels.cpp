@@ -163,11 +163,58 @@ float exp_row_avx2(float* p, int n, float m) {
   return hsum8(tot);
 }
 
-// D % 8 == 0, k, v and q rows contiguous.  Rows go kBlock at a time through
-// the scores (each key row read once per block), all together through the
-// value sums (each value row once); per row, the same operations in the same
-// order whatever the block.
-constexpr int kBlock = 16;
+// The horizontal sums of d[0..8) as one vector, lane t the sum of d[t]:
+// ((d0 + d1) + (d2 + d3)) + ((d4 + d5) + (d6 + d7)) over d[t]'s lanes, the
+// same order for every lane, whatever the other vectors hold.
+inline __m256 hsum8x8(const __m256* d) {
+  const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
+  const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of one row against keys s0 .. s0 + cnt - 1 (cnt <= 8), into out:
+// each key's dot product is summed by lanes over the head, then hsum8x8.
+// A key's score does not depend on cnt (missing keys are zero vectors).
+template <int kFull>
+inline void scores8(const float* q, const float* k, int64_t ks, int nv, int cnt, float* out) {
+  __m256 d[8];
+  for (int t = 0; t < 8; ++t) d[t] = _mm256_setzero_ps();
+  const int n = kFull ? 8 : cnt;
+  for (int j = 0; j < nv; ++j) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * j);
+    for (int t = 0; t < n; ++t) d[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * ks + 8 * j), d[t]);
+  }
+  const __m256 r = hsum8x8(d);
+  if (kFull) {
+    _mm256_storeu_ps(out, r);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, r);
+    for (int t = 0; t < cnt; ++t) out[t] = tmp[t];
+  }
+}
+
+// Value sums of one row over keys s0 .. s1 - 1, for head columns
+// 8 * j0 .. 8 * (j0 + NJ) - 1: o += p[s] v[s] in key order, the accumulators
+// in registers for the stretch.
+template <int NJ>
+inline void value_sums(const float* p, const float* v, int64_t vs, int s0, int s1, float* o) {
+  __m256 acc[NJ];
+  for (int j = 0; j < NJ; ++j) acc[j] = _mm256_loadu_ps(o + 8 * j);
+  for (int s = s0; s < s1; ++s) {
+    const __m256 ps = _mm256_set1_ps(p[s]);
+    const float* vr = v + s * vs;
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+
+// D % 8 == 0, k, v and q rows contiguous.  Keys go 8 at a time through the
+// scores and kStretch at a time through the value sums, every row that sees
+// them taking its turn while they are in the L1 cache; per row, the same
+// operations in the same order whatever L is and whatever keys other rows see.
+constexpr int kStretch = 32;
 
 void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
   const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, R = rep * a.L, nv = D / 8;
@@ -181,21 +228,19 @@ void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
       _mm256_storeu_ps(qs + i * D + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), scale));
     }
   }
-  // scores: each key row once for every row of the block (past a row's keys,
-  // the scores are computed and never read)
-  for (int i0 = 0; i0 < R; i0 += kBlock) {
-    const int nb = R - i0 < kBlock ? R - i0 : kBlock, last = keys_seen(a, (i0 + nb - 1) / rep);
-    for (int s = 0; s < last; ++s) {
-      const float* kr = k + s * ks;
-      __m256 dots[kBlock];
-      for (int r = 0; r < nb; ++r) dots[r] = _mm256_setzero_ps();
-      for (int j = 0; j < nv; ++j) {
-        const __m256 kv = _mm256_loadu_ps(kr + 8 * j);
-        for (int r = 0; r < nb; ++r) {
-          dots[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (i0 + r) * D + 8 * j), kv, dots[r]);
-        }
+  const int most = keys_seen(a, a.L - 1);  // the keys of the last row
+  // scores: rows first .. R - 1 see key s0
+  int first = 0;
+  for (int s0 = 0; s0 < most; s0 += 8) {
+    while (first < R && keys_seen(a, first / rep) <= s0) ++first;
+    for (int i = first; i < R; ++i) {
+      const int cnt = keys_seen(a, i / rep) - s0;
+      float* out = sc + static_cast<size_t>(i) * S + s0;
+      if (cnt >= 8) {
+        scores8<1>(qs + i * D, k + s0 * ks, ks, nv, 8, out);
+      } else {
+        scores8<0>(qs + i * D, k + s0 * ks, ks, nv, cnt, out);
       }
-      for (int r = 0; r < nb; ++r) sc[static_cast<size_t>(i0 + r) * S + s] = hsum8(dots[r]);
     }
   }
   float* inv = qs;  // the scaled queries are no longer needed
@@ -207,19 +252,17 @@ void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
     }
     inv[i] = softmax_row(row, n, exp_row_avx2);
   }
-  // outputs: each value row once for every row that sees it (rows first..R-1)
+  // outputs: o = sum over s of e^score[s] v[s], then times 1 / sum
   for (int i = 0; i < R * D; ++i) acc[i] = 0.0f;
-  int first = 0;
-  for (int s = 0; s < keys_seen(a, a.L - 1); ++s) {
-    while (first < R && keys_seen(a, first / rep) <= s) ++first;
-    const float* vr = v + s * vs;
-    for (int j = 0; j < nv; ++j) {
-      const __m256 vv = _mm256_loadu_ps(vr + 8 * j);
-      for (int i = first; i < R; ++i) {
-        float* o = acc + i * D + 8 * j;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(sc[static_cast<size_t>(i) * S + s]),
-                                            vv, _mm256_loadu_ps(o)));
-      }
+  first = 0;
+  for (int s0 = 0; s0 < most; s0 += kStretch) {
+    while (first < R && keys_seen(a, first / rep) <= s0) ++first;
+    for (int i = first; i < R; ++i) {
+      const int n = keys_seen(a, i / rep), s1 = n < s0 + kStretch ? n : s0 + kStretch;
+      const float* p = sc + static_cast<size_t>(i) * S;
+      int j = 0;
+      for (; j + 4 <= nv; j += 4) value_sums<4>(p, v + 8 * j, vs, s0, s1, acc + i * D + 8 * j);
+      for (; j < nv; ++j) value_sums<1>(p, v + 8 * j, vs, s0, s1, acc + i * D + 8 * j);
     }
   }
   for (int i = 0; i < R; ++i) {

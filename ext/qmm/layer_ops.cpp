@@ -99,10 +99,19 @@ void rope_compute(const mx::array& x, const mx::array& offset, const mx::array& 
   const int64_t s0 = x.strides(0), s1 = x.strides(1), s2 = x.strides(2), s3 = x.strides(3);
   for (int b = 0; b < B; ++b) for (int l = 0; l < L; ++l) {
     const float t = position(offset, b, l);
-    for (int i = 0; i < D; ++i) {
-      const float angle = t * f[i * fs];
-      cs[i] = std::cos(angle);
-      sn[i] = std::sin(angle);
+    // the rotating dimensions only; a pair's two frequencies are usually one
+    for (int i = 0; i < half; ++i) {
+      const int a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+      const float angle = t * f[a * fs];
+      cs[a] = std::cos(angle);
+      sn[a] = std::sin(angle);
+      if (f[c * fs] == f[a * fs]) {
+        cs[c] = cs[a];
+        sn[c] = sn[a];
+      } else {
+        cs[c] = std::cos(t * f[c * fs]);
+        sn[c] = std::sin(t * f[c * fs]);
+      }
     }
     for (int h = 0; h < H; ++h) {
       const float* xr = xp + b * s0 + h * s1 + l * s2;
