@@ -1,4 +1,5 @@
-"""Decode-time attention as one MLX operation on the CPU.
+"""Decode-time attention (one query position, or the few of a verify step) as
+one MLX operation on the CPU.
 
 On the CPU, ``mx.fast.scaled_dot_product_attention`` has no kernel of its own:
 every call expands into its reference graph (a query scale, a grouped-query
@@ -10,18 +11,24 @@ out of the default model's decode step, the step ran 22% faster
 (``benchmarks/decode_step.py``).
 
 ``afm_core._mlx.qmm_ext.decode_attention`` (``ext/qmm/attention_kernels.cpp``)
-computes the same thing for one query position per (batch, head) as a single
-MLX primitive: float32 ``q`` (B, Hq, 1, D) against ``k``/``v`` (B, Hkv, S, D)
-read in place (the cache's strided slices), grouped queries, a boolean or
-additive mask broadcast to (B, Hq, 1, S), the rows split over the kernels'
-thread pool at long contexts.  It agrees with MLX's to float rounding
-(``tests/mlx/test_attention.py``).
+computes the same thing for up to ``MAX_QUERY_POSITIONS`` query positions per
+(batch, head) as a single MLX primitive: float32 ``q`` (B, Hq, L, D) against
+``k``/``v`` (B, Hkv, S, D) read in place (the cache's strided slices), grouped
+queries, ``"causal"`` (query l sees the keys up to S - L + l) or a boolean or
+additive mask broadcast to (B, Hq, L, S) (mlx-lm's batch caches pass their
+left padding and the causal structure that way), the rows split over the
+kernels' thread pool at long contexts.  It agrees with MLX's to float rounding
+(``tests/mlx/test_attention.py``), and position l of an L-position call gives
+the bits of a one-position call on the keys up to it: a speculative step's
+verify forward (1 + k positions) computes exactly what the decode steps it
+stands for would have.
 
 mlx-lm's models call the ``scaled_dot_product_attention`` their module
 imported from ``mlx_lm.models.base``; :func:`use_decode_attention` points that
 name, in the modules of a model's layers, at :func:`scaled_dot_product_attention`
-here, which takes the kernel when it applies (one query position, float32, CPU,
-no quantized cache, no attention sinks) and calls mlx-lm's function otherwise.
+here, which takes the kernel when it applies (at most ``MAX_QUERY_POSITIONS``
+query positions, float32, CPU, no quantized cache, no attention sinks) and
+calls mlx-lm's function otherwise (prompts, for one).
 The name is module-wide, so it is counted per module and given back
 (:func:`restore_decode_attention`) when the last model using it lets go.
 """
@@ -40,7 +47,12 @@ from mlx_lm.models import base as _base
 
 from . import qmatmul as _qmm
 
-__all__ = ["restore_decode_attention", "scaled_dot_product_attention", "use_decode_attention"]
+__all__ = ["MAX_QUERY_POSITIONS", "restore_decode_attention", "scaled_dot_product_attention",
+           "use_decode_attention"]
+
+MAX_QUERY_POSITIONS = 16
+"""The most query positions the kernel takes (``ext/qmm/qmm_ext.cpp``): a
+decode step, or a verify step of up to 15 guesses."""
 
 NO_DECODE_ATTENTION_ENV = "AFM_NO_DECODE_ATTENTION"
 _NAME = "scaled_dot_product_attention"
@@ -51,7 +63,7 @@ _users: dict[str, int] = {}  # module name -> models using the kernel there
 
 def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
              mask: Any, sinks: Any) -> bool:
-    return (queries.ndim == 4 and queries.shape[2] == 1 and sinks is None
+    return (queries.ndim == 4 and 1 <= queries.shape[2] <= MAX_QUERY_POSITIONS and sinks is None
             and not hasattr(cache, "bits")
             and queries.dtype == keys.dtype == values.dtype == mx.float32
             and (mask is None or isinstance(mask, str)
@@ -66,9 +78,9 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     where it applies."""
     ext = _qmm.extension()
     if ext is not None and _applies(queries, keys, values, cache, mask, sinks):
-        # one query position: a "causal" mask hides nothing
+        causal = isinstance(mask, str)  # at one query position it hides nothing
         return ext.decode_attention(queries, keys, values, float(scale),
-                                    mask if isinstance(mask, mx.array) else None)
+                                    None if causal else mask, causal)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

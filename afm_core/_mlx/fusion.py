@@ -23,10 +23,12 @@ with mlx's layers to float rounding).
   :class:`_RopeKernels`, one trace per batch width and head count.  Prefill
   calls, whose lengths vary, keep mlx's own function.
 
-With afm's CPU extension built (``afm_core._mlx.qmm_ext``), float32 norms and
-decode rotary embeddings go one step further: each is one MLX operation
-(``ext/qmm/layer_ops.cpp``) instead of a cast, a square, a sum and a kernel
-for a norm, or a product, its reshapes and a kernel for a rotary embedding;
+With afm's CPU extension built (``afm_core._mlx.qmm_ext``), float32 norms (of
+any number of rows) and the rotary embeddings of decode and verify steps (up
+to ``MAX_QUERY_POSITIONS`` positions per row, at an int or array offset) go
+one step further: each is one MLX operation (``ext/qmm/layer_ops.cpp``)
+instead of a cast, a square, a sum and a kernel for a norm, or a product, its
+reshapes and a kernel (or mlx's thirty-odd operations) for a rotary embedding;
 ``AFM_NO_LAYER_OPS=1`` keeps the compiled kernels
 (``tests/mlx/test_layer_ops.py`` checks both against mlx's layers).
 
@@ -69,6 +71,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import MAX_QUERY_POSITIONS
+
 log = logging.getLogger("afm.engine")
 
 TIED_HEAD_COPY_LIMIT = 256 << 20
@@ -92,8 +96,7 @@ class _FusedRoPE(nn.RoPE):
     _kernels: _RopeKernels
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if (isinstance(offset, mx.array) and x.ndim == 4 and x.shape[-2] == 1
-                and (offset.ndim == 0 or offset.shape == (x.shape[0],))):
+        if x.ndim == 4 and self._kernels.applies(x, offset):
             return self._kernels.get(x.shape[-1])(x, offset)
         return super().__call__(x, offset)
 
@@ -144,11 +147,29 @@ class _RopeKernels:
     permutation (exact), the frequencies are computed as MLX's reference does,
     and dimensions past ``dims`` get angle 0 (they pass through).  Unlike the
     reference graph it needs no slicing, so most of it fuses into one kernel.
-    One compiled kernel per head size."""
+    One compiled kernel per head size.
+
+    With the extension, float32 inputs of up to ``MAX_QUERY_POSITIONS``
+    positions (a decode step, or a speculative verify step) and an offset
+    given as an int (mlx-lm's single-sequence cache) or an array (its batch
+    cache) take the one-operation kernel instead, whose position l gives the
+    bits of a one-position call at offset + l."""
 
     def __init__(self, dims: int, traditional: bool, base: float, scale: float):
         self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
         self._by_head: dict[int, Kernel] = {}
+        self._ops = _layer_ops()
+
+    def applies(self, x: mx.array, offset: Any) -> bool:
+        """Whether :meth:`get`'s kernel computes ``x`` (B, H, L, D) at ``offset``."""
+        array = isinstance(offset, mx.array)
+        if array and not (offset.ndim == 0 or offset.shape == (x.shape[0],)):
+            return False
+        if x.shape[-2] == 1 and array:
+            return True  # the compiled kernel's case
+        return (self._ops is not None and x.dtype == mx.float32
+                and 1 <= x.shape[-2] <= MAX_QUERY_POSITIONS
+                and (offset.dtype in _ROPE_OFFSET_TYPES if array else isinstance(offset, int)))
 
     def get(self, head_dim: int) -> Kernel:
         kernel = self._by_head.get(head_dim)
@@ -177,12 +198,14 @@ class _RopeKernels:
             return (xf * mx.cos(angle) + (xf @ rotation) * mx.sin(angle)).astype(x.dtype)
 
         compiled = mx.compile(rope)
-        ops = _layer_ops()
+        ops = self._ops
         if ops is None:
             return compiled
         dims, traditional = 2 * half, self.traditional
 
-        def one_operation(x: mx.array, offset: mx.array) -> mx.array:
+        def one_operation(x: mx.array, offset: Any) -> mx.array:
+            if isinstance(offset, int):
+                offset = mx.array(offset, dtype=mx.int32)
             if x.dtype == mx.float32 and offset.dtype in _ROPE_OFFSET_TYPES:
                 return ops.rope_decode(x, offset, freqs, dims, traditional)
             return compiled(x, offset)

@@ -1,6 +1,7 @@
 // See attention_kernels.h.  The unit of work is one (batch, key head): the
-// Hq / Hkv query heads that share its keys and values go together, so each
-// key and value row is read once for all of them.  An AVX2 + FMA version for
+// Hq / Hkv query heads that share its keys and values, at every query
+// position, go together, so each key and value row is read once for all of
+// them.  An AVX2 + FMA version for
 // x86-64 (chosen at run time, head sizes a multiple of 8 read contiguously)
 // and a portable one.
 #include "attention_kernels.h"
@@ -19,8 +20,6 @@
 
 namespace afm_attn {
 namespace {
-
-constexpr int kMaxRep = 16;  // query heads per key head handled in one pass
 
 // e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r,
 // |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n put in the exponent.
@@ -48,9 +47,18 @@ float* scratch(size_t n) {
   return buf.data();
 }
 
-// The mask's effect on score (row r of this unit, position s).
-inline float masked(const Args& a, int b, int h, int s, float x) {
-  const int64_t at = b * a.ms[0] + h * a.ms[1] + s * a.ms[2];
+// A unit's rows are its query heads at each position, position-major:
+// row i is head kh * rep + i % rep at position i / rep, so the keys a row sees
+// (keys(i)) never decrease with i.
+inline int keys_seen(const Args& a, int l) {
+  if (!a.causal) return a.S;
+  const int n = a.S - a.L + 1 + l;
+  return n < 0 ? 0 : n;
+}
+
+// The mask's effect on score x of row (b, h, l) at key s.
+inline float masked(const Args& a, int b, int h, int l, int s, float x) {
+  const int64_t at = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + s * a.ms[3];
   if (a.mask_kind == MaskKind::boolean) {
     return static_cast<const uint8_t*>(a.mask)[at] ? x : -std::numeric_limits<float>::infinity();
   }
@@ -72,31 +80,30 @@ inline float softmax_row(float* sc, int S, ExpRow exp_row) {
 
 // ---------------------------------------------------------------- portable
 void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
-  const int D = a.D, S = a.S, rep = a.Hq / a.Hkv;
+  const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, R = rep * a.L;
   const float* k = a.k.p + b * a.k.s[0] + kh * a.k.s[1];
   const float* v = a.v.p + b * a.v.s[0] + kh * a.v.s[1];
   const int64_t ks = a.k.s[2], kd = a.k.s[3], vs = a.v.s[2], vd = a.v.s[3];
-  for (int r = 0; r < rep; ++r) {
-    const int h = kh * rep + r;
-    const float* q = a.q.p + b * a.q.s[0] + h * a.q.s[1];
-    for (int d = 0; d < D; ++d) qs[r * D + d] = q[d * a.q.s[3]] * a.scale;
+  for (int i = 0; i < R; ++i) {
+    const float* q = a.q.p + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
+    for (int d = 0; d < D; ++d) qs[i * D + d] = q[d * a.q.s[3]] * a.scale;
   }
-  for (int r = 0; r < rep; ++r) {
-    const int h = kh * rep + r;
-    float* row = sc + static_cast<size_t>(r) * S;
-    for (int s = 0; s < S; ++s) {
+  for (int i = 0; i < R; ++i) {
+    const int h = kh * rep + i % rep, l = i / rep, n = keys_seen(a, l);
+    float* row = sc + static_cast<size_t>(i) * S;
+    for (int s = 0; s < n; ++s) {
       float x = 0.0f;
-      for (int d = 0; d < D; ++d) x += qs[r * D + d] * k[s * ks + d * kd];
-      row[s] = a.mask_kind == MaskKind::none ? x : masked(a, b, h, s, x);
+      for (int d = 0; d < D; ++d) x += qs[i * D + d] * k[s * ks + d * kd];
+      row[s] = a.mask_kind == MaskKind::none ? x : masked(a, b, h, l, s, x);
     }
-    const float inv = softmax_row(row, S, [](float* p, int n, float m) {
+    const float inv = softmax_row(row, n, [](float* p, int m, float top) {
       float total = 0.0f;
-      for (int s = 0; s < n; ++s) total += (p[s] = exp_nonpositive(p[s] - m));
+      for (int s = 0; s < m; ++s) total += (p[s] = exp_nonpositive(p[s] - top));
       return total;
     });
-    float* o = acc + r * D;
+    float* o = acc + i * D;
     for (int d = 0; d < D; ++d) o[d] = 0.0f;
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < n; ++s) {
       const float p = row[s] * inv;
       for (int d = 0; d < D; ++d) o[d] += p * v[s * vs + d * vd];
     }
@@ -119,7 +126,7 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes
+inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes (-inf gives 0)
   const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -133,6 +140,9 @@ inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes
   return _mm256_andnot_ps(under, p);
 }
 
+// The sum of the exponentials goes by lanes of s % 8, the last partial block
+// padded with -inf (exponential 0): a row and the same row followed by masked
+// positions (exponential 0) then sum to the same bits.
 float exp_row_avx2(float* p, int n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 tot = _mm256_setzero_ps();
@@ -142,62 +152,123 @@ float exp_row_avx2(float* p, int n, float m) {
     _mm256_storeu_ps(p + s, e);
     tot = _mm256_add_ps(tot, e);
   }
-  float total = hsum8(tot);
-  for (; s < n; ++s) total += (p[s] = exp_nonpositive(p[s] - m));
-  return total;
+  if (s < n) {
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = s + j < n ? p[s + j] : -std::numeric_limits<float>::infinity();
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv));
+    _mm256_store_ps(tail, e);
+    for (int j = 0; s + j < n; ++j) p[s + j] = tail[j];
+    tot = _mm256_add_ps(tot, e);
+  }
+  return hsum8(tot);
 }
 
-// D % 8 == 0, k, v and q rows contiguous.
+// The horizontal sums of d[0..8) as one vector, lane t the sum of d[t]:
+// ((d0 + d1) + (d2 + d3)) + ((d4 + d5) + (d6 + d7)) over d[t]'s lanes, the
+// same order for every lane, whatever the other vectors hold.
+inline __m256 hsum8x8(const __m256* d) {
+  const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
+  const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of one row against keys s0 .. s0 + cnt - 1 (cnt <= 8), into out:
+// each key's dot product is summed by lanes over the head, then hsum8x8.
+// A key's score does not depend on cnt (missing keys are zero vectors).
+template <int kFull>
+inline void scores8(const float* q, const float* k, int64_t ks, int nv, int cnt, float* out) {
+  __m256 d[8];
+  for (int t = 0; t < 8; ++t) d[t] = _mm256_setzero_ps();
+  const int n = kFull ? 8 : cnt;
+  for (int j = 0; j < nv; ++j) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * j);
+    for (int t = 0; t < n; ++t) d[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * ks + 8 * j), d[t]);
+  }
+  const __m256 r = hsum8x8(d);
+  if (kFull) {
+    _mm256_storeu_ps(out, r);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, r);
+    for (int t = 0; t < cnt; ++t) out[t] = tmp[t];
+  }
+}
+
+// Value sums of one row over keys s0 .. s1 - 1, for head columns
+// 8 * j0 .. 8 * (j0 + NJ) - 1: o += p[s] v[s] in key order, the accumulators
+// in registers for the stretch.
+template <int NJ>
+inline void value_sums(const float* p, const float* v, int64_t vs, int s0, int s1, float* o) {
+  __m256 acc[NJ];
+  for (int j = 0; j < NJ; ++j) acc[j] = _mm256_loadu_ps(o + 8 * j);
+  for (int s = s0; s < s1; ++s) {
+    const __m256 ps = _mm256_set1_ps(p[s]);
+    const float* vr = v + s * vs;
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+
+// D % 8 == 0, k, v and q rows contiguous.  Keys go 8 at a time through the
+// scores and kStretch at a time through the value sums, every row that sees
+// them taking its turn while they are in the L1 cache; per row, the same
+// operations in the same order whatever L is and whatever keys other rows see.
+constexpr int kStretch = 32;
+
 void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
-  const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, nv = D / 8;
+  const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, R = rep * a.L, nv = D / 8;
   const float* k = a.k.p + b * a.k.s[0] + kh * a.k.s[1];
   const float* v = a.v.p + b * a.v.s[0] + kh * a.v.s[1];
   const int64_t ks = a.k.s[2], vs = a.v.s[2];
   const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int r = 0; r < rep; ++r) {
-    const float* q = a.q.p + b * a.q.s[0] + (kh * rep + r) * a.q.s[1];
+  for (int i = 0; i < R; ++i) {
+    const float* q = a.q.p + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
     for (int j = 0; j < nv; ++j) {
-      _mm256_storeu_ps(qs + r * D + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), scale));
+      _mm256_storeu_ps(qs + i * D + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), scale));
     }
   }
-  // scores: each key row once for every query head of this key head
-  for (int s = 0; s < S; ++s) {
-    const float* kr = k + s * ks;
-    __m256 dots[kMaxRep];
-    for (int r = 0; r < rep; ++r) dots[r] = _mm256_setzero_ps();
-    for (int j = 0; j < nv; ++j) {
-      const __m256 kv = _mm256_loadu_ps(kr + 8 * j);
-      for (int r = 0; r < rep; ++r) {
-        dots[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * D + 8 * j), kv, dots[r]);
+  const int most = keys_seen(a, a.L - 1);  // the keys of the last row
+  // scores: rows first .. R - 1 see key s0
+  int first = 0;
+  for (int s0 = 0; s0 < most; s0 += 8) {
+    while (first < R && keys_seen(a, first / rep) <= s0) ++first;
+    for (int i = first; i < R; ++i) {
+      const int cnt = keys_seen(a, i / rep) - s0;
+      float* out = sc + static_cast<size_t>(i) * S + s0;
+      if (cnt >= 8) {
+        scores8<1>(qs + i * D, k + s0 * ks, ks, nv, 8, out);
+      } else {
+        scores8<0>(qs + i * D, k + s0 * ks, ks, nv, cnt, out);
       }
     }
-    for (int r = 0; r < rep; ++r) sc[static_cast<size_t>(r) * S + s] = hsum8(dots[r]);
   }
-  float inv[kMaxRep];
-  for (int r = 0; r < rep; ++r) {
-    float* row = sc + static_cast<size_t>(r) * S;
+  float* inv = qs;  // the scaled queries are no longer needed
+  for (int i = 0; i < R; ++i) {
+    const int l = i / rep, n = keys_seen(a, l);
+    float* row = sc + static_cast<size_t>(i) * S;
     if (a.mask_kind != MaskKind::none) {
-      for (int s = 0; s < S; ++s) row[s] = masked(a, b, kh * rep + r, s, row[s]);
+      for (int s = 0; s < n; ++s) row[s] = masked(a, b, kh * rep + i % rep, l, s, row[s]);
     }
-    inv[r] = softmax_row(row, S, exp_row_avx2);
+    inv[i] = softmax_row(row, n, exp_row_avx2);
   }
-  // outputs: each value row once for every query head
-  for (int i = 0; i < rep * D; ++i) acc[i] = 0.0f;
-  for (int s = 0; s < S; ++s) {
-    const float* vr = v + s * vs;
-    for (int j = 0; j < nv; ++j) {
-      const __m256 vv = _mm256_loadu_ps(vr + 8 * j);
-      for (int r = 0; r < rep; ++r) {
-        float* o = acc + r * D + 8 * j;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(sc[static_cast<size_t>(r) * S + s]),
-                                            vv, _mm256_loadu_ps(o)));
-      }
+  // outputs: o = sum over s of e^score[s] v[s], then times 1 / sum
+  for (int i = 0; i < R * D; ++i) acc[i] = 0.0f;
+  first = 0;
+  for (int s0 = 0; s0 < most; s0 += kStretch) {
+    while (first < R && keys_seen(a, first / rep) <= s0) ++first;
+    for (int i = first; i < R; ++i) {
+      const int n = keys_seen(a, i / rep), s1 = n < s0 + kStretch ? n : s0 + kStretch;
+      const float* p = sc + static_cast<size_t>(i) * S;
+      int j = 0;
+      for (; j + 4 <= nv; j += 4) value_sums<4>(p, v + 8 * j, vs, s0, s1, acc + i * D + 8 * j);
+      for (; j < nv; ++j) value_sums<1>(p, v + 8 * j, vs, s0, s1, acc + i * D + 8 * j);
     }
   }
-  for (int r = 0; r < rep; ++r) {
-    const __m256 f = _mm256_set1_ps(inv[r]);
+  for (int i = 0; i < R; ++i) {
+    const __m256 f = _mm256_set1_ps(inv[i]);
     for (int j = 0; j < nv; ++j) {
-      float* o = acc + r * D + 8 * j;
+      float* o = acc + i * D + 8 * j;
       _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), f));
     }
   }
@@ -222,12 +293,13 @@ bool has_avx2() {
 
 void decode_attention_units(const Args& a, int u0, int u1) {
   const int D = a.D, S = a.S, rep = a.Hq / a.Hkv;
-  float* buf = scratch(static_cast<size_t>(rep) * S + 2 * static_cast<size_t>(rep) * D);
+  const size_t R = static_cast<size_t>(rep) * a.L;
+  float* buf = scratch(R * S + 2 * R * D);
   float* sc = buf;
-  float* qs = sc + static_cast<size_t>(rep) * S;
-  float* acc = qs + static_cast<size_t>(rep) * D;
+  float* qs = sc + R * S;
+  float* acc = qs + R * D;
 #if ATTN_X86
-  const bool fast = has_avx2() && D % 8 == 0 && rep <= kMaxRep && a.k.s[3] == 1 &&
+  const bool fast = has_avx2() && D % 8 == 0 && a.k.s[3] == 1 &&
                     a.v.s[3] == 1 && a.q.s[3] == 1;
 #else
   const bool fast = false;
@@ -244,8 +316,12 @@ void decode_attention_units(const Args& a, int u0, int u1) {
     (void)fast;
     unit_portable(a, b, kh, sc, qs, acc);
 #endif
-    float* o = a.out + (static_cast<size_t>(b) * a.Hq + static_cast<size_t>(kh) * rep) * D;
-    std::memcpy(o, acc, sizeof(float) * rep * D);
+    // row i (position i / rep, head kh * rep + i % rep) to out[b, h, l]
+    for (size_t i = 0; i < R; ++i) {
+      const size_t h = static_cast<size_t>(kh) * rep + i % rep, l = i / rep;
+      float* o = a.out + ((static_cast<size_t>(b) * a.Hq + h) * a.L + l) * D;
+      std::memcpy(o, acc + i * D, sizeof(float) * D);
+    }
   }
 }
 

@@ -6,11 +6,14 @@
 //   as mx.fast.rms_norm's CPU fallback computes it (a cast, a square, a sum,
 //   and a compiled element-wise kernel);
 // * rope_decode(x, offset, freqs, dims, traditional): the rotary embedding of
-//   one position per batch row, x (B, H, 1, D), offset a scalar or (B,)
-//   array, freqs (D,) the per-dimension frequencies; the first `dims`
-//   dimensions rotate (the rest pass through), in pairs (2i, 2i+1) when
-//   traditional, else (i, i + dims/2):
+//   L positions per batch row (one when decoding, a few when a speculative
+//   step verifies its guesses), x (B, H, L, D), offset a scalar or (B,)
+//   array, position l of row b at t = offset[b] + l, freqs (D,) the
+//   per-dimension frequencies; the first `dims` dimensions rotate (the rest
+//   pass through), in pairs (2i, 2i+1) when traditional, else (i, i + dims/2):
 //   out[a] = x[a] cos(t f[a]) - x[b] sin(t f[a]), out[b] = x[b] cos + x[a] sin.
+//   Position l gives the bits of a one-position call at offset + l (t is
+//   formed exactly for integer offsets).
 //
 // Float32 only; the Python side (afm_core._mlx.fusion) calls them where they
 // apply and keeps MLX's graph elsewhere.
@@ -73,35 +76,46 @@ void rms_norm_compute(const mx::array& x, const mx::array& w, mx::array& out, fl
   }
 }
 
-float position(const mx::array& offset, int b) {
+// The position of row b's l-th query: integers added before the conversion,
+// so offset + l gives the float a one-position call at that offset gets.
+float position(const mx::array& offset, int b, int l) {
   const int64_t at = offset.ndim() == 0 ? 0 : b * offset.strides(0);
   switch (offset.dtype()) {
-    case mx::int32: return static_cast<float>(offset.data<int32_t>()[at]);
-    case mx::int64: return static_cast<float>(offset.data<int64_t>()[at]);
-    case mx::uint32: return static_cast<float>(offset.data<uint32_t>()[at]);
-    default: return offset.data<float>()[at];
+    case mx::int32: return static_cast<float>(int64_t{offset.data<int32_t>()[at]} + l);
+    case mx::int64: return static_cast<float>(offset.data<int64_t>()[at] + l);
+    case mx::uint32: return static_cast<float>(int64_t{offset.data<uint32_t>()[at]} + l);
+    default: return l == 0 ? offset.data<float>()[at] : offset.data<float>()[at] + static_cast<float>(l);
   }
 }
 
 void rope_compute(const mx::array& x, const mx::array& offset, const mx::array& freqs,
                   mx::array& out, int dims, bool traditional) {
-  const int B = x.shape(0), H = x.shape(1), D = x.shape(3), half = dims / 2;
+  const int B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3), half = dims / 2;
   const float* f = freqs.data<float>();
   const int64_t fs = freqs.strides(0);
   std::vector<float> cs(static_cast<size_t>(D)), sn(static_cast<size_t>(D));
   const float* xp = x.data<float>();
   float* op = out.data<float>();
-  const int64_t s0 = x.strides(0), s1 = x.strides(1), s3 = x.strides(3);
-  for (int b = 0; b < B; ++b) {
-    const float t = position(offset, b);
-    for (int i = 0; i < D; ++i) {
-      const float angle = t * f[i * fs];
-      cs[i] = std::cos(angle);
-      sn[i] = std::sin(angle);
+  const int64_t s0 = x.strides(0), s1 = x.strides(1), s2 = x.strides(2), s3 = x.strides(3);
+  for (int b = 0; b < B; ++b) for (int l = 0; l < L; ++l) {
+    const float t = position(offset, b, l);
+    // the rotating dimensions only; a pair's two frequencies are usually one
+    for (int i = 0; i < half; ++i) {
+      const int a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+      const float angle = t * f[a * fs];
+      cs[a] = std::cos(angle);
+      sn[a] = std::sin(angle);
+      if (f[c * fs] == f[a * fs]) {
+        cs[c] = cs[a];
+        sn[c] = sn[a];
+      } else {
+        cs[c] = std::cos(t * f[c * fs]);
+        sn[c] = std::sin(t * f[c * fs]);
+      }
     }
     for (int h = 0; h < H; ++h) {
-      const float* xr = xp + b * s0 + h * s1;
-      float* o = op + (static_cast<int64_t>(b) * H + h) * D;
+      const float* xr = xp + b * s0 + h * s1 + l * s2;
+      float* o = op + ((static_cast<int64_t>(b) * H + h) * L + l) * D;
       for (int i = 0; i < D; ++i) o[i] = xr[i * s3];  // the dims past the pairs pass through
       for (int i = 0; i < half; ++i) {
         const int a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
@@ -187,8 +201,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
 
 mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::array& freqs,
                       int dims, bool traditional) {
-  if (x.ndim() != 4 || x.shape(2) != 1 || x.dtype() != mx::float32) {
-    throw std::invalid_argument("afm rope: x must be float32 (B, H, 1, D)");
+  if (x.ndim() != 4 || x.dtype() != mx::float32) {
+    throw std::invalid_argument("afm rope: x must be float32 (B, H, L, D)");
   }
   if (freqs.ndim() != 1 || freqs.shape(0) != x.shape(3) || freqs.dtype() != mx::float32) {
     throw std::invalid_argument("afm rope: freqs must be float32 (D,)");
@@ -213,8 +227,9 @@ void register_layer_ops(nb::module_& m) {
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "(x * rsqrt(mean(x^2, -1) + eps)) * weight, float32, as one operation.");
   m.def("rope_decode", &rope_decode, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a,
-        "The rotary embedding of one position per batch row: x (B, H, 1, D) float32, offset "
-        "a scalar or (B,) array, freqs (D,); the first dims dimensions rotate.");
+        "The rotary embedding of L positions per batch row: x (B, H, L, D) float32, offset "
+        "a scalar or (B,) array (position l of row b at offset[b] + l), freqs (D,); the first "
+        "dims dimensions rotate.");
 }
 
 }  // namespace afm_layer

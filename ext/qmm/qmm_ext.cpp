@@ -478,6 +478,11 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
 
 // ---------------------------------------------------------------- attention
 
+// Query positions per call: a decode step (1) or a speculative verify step
+// (1 + guesses).  Scratch grows with L * S, and for prompt-length L the
+// matrix products of MLX's graph are the faster way.
+constexpr int kMaxQueryPositions = 16;
+
 afm_attn::View4 view4(const mx::array& a) {
   afm_attn::View4 v;
   v.p = a.data<float>();
@@ -486,7 +491,7 @@ afm_attn::View4 view4(const mx::array& a) {
 }
 
 void attention_compute(const mx::array& q, const mx::array& k, const mx::array& v,
-                       const mx::array* mask, mx::array& out, float scale) {
+                       const mx::array* mask, mx::array& out, float scale, bool causal) {
   afm_attn::Args a;
   a.q = view4(q);
   a.k = view4(k);
@@ -494,22 +499,22 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
   a.B = q.shape(0);
   a.Hq = q.shape(1);
   a.Hkv = k.shape(1);
+  a.L = q.shape(2);
   a.S = k.shape(2);
   a.D = q.shape(3);
+  a.causal = causal;
   a.scale = scale;
   a.out = out.data<float>();
-  if (mask != nullptr) {  // broadcast to (B, Hq, 1, S): strides 0 where it was
+  if (mask != nullptr) {  // broadcast to (B, Hq, L, S): strides 0 where it was
     a.mask_kind = mask->dtype() == mx::bool_ ? afm_attn::MaskKind::boolean
                                              : afm_attn::MaskKind::additive;
     a.mask = mask->data<void>();
-    a.ms[0] = mask->strides(0);
-    a.ms[1] = mask->strides(1);
-    a.ms[2] = mask->strides(3);
+    for (int i = 0; i < 4; ++i) a.ms[i] = mask->strides(i);
   }
   const int units = a.B * a.Hkv;
   if (units == 0) return;
   Pool& p = pool();
-  int threads = pool_threads(p, static_cast<double>(a.B) * a.Hq * a.S * a.D, 300000.0);
+  int threads = pool_threads(p, static_cast<double>(a.B) * a.Hq * a.L * a.S * a.D, 300000.0);
   if (units == 1) threads = 1;
   if (threads == 1) {
     afm_attn::decode_attention_units(a, 0, units);
@@ -521,7 +526,8 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
 
 class AfmDecodeAttention : public mx::Primitive {
  public:
-  AfmDecodeAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  AfmDecodeAttention(mx::Stream stream, float scale, bool causal)
+      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
@@ -531,8 +537,9 @@ class AfmDecodeAttention : public mx::Primitive {
                   k = mx::array::unsafe_weak_copy(inputs[1]),
                   v = mx::array::unsafe_weak_copy(inputs[2]),
                   m = mx::array::unsafe_weak_copy(inputs[masked ? 3 : 0]), masked,
-                  out = mx::array::unsafe_weak_copy(out), scale = scale_]() mutable {
-      attention_compute(q, k, v, masked ? &m : nullptr, out, scale);
+                  out = mx::array::unsafe_weak_copy(out), scale = scale_,
+                  causal = causal_]() mutable {
+      attention_compute(q, k, v, masked ? &m : nullptr, out, scale, causal);
     });
   }
 
@@ -543,7 +550,8 @@ class AfmDecodeAttention : public mx::Primitive {
   const char* name() const override { return "AfmDecodeAttention"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const AfmDecodeAttention&>(other).scale_;
+    const auto& o = static_cast<const AfmDecodeAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -552,19 +560,23 @@ class AfmDecodeAttention : public mx::Primitive {
 
  private:
   float scale_;
+  bool causal_;
 };
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           float scale, const std::optional<mx::array>& mask) {
+                           float scale, const std::optional<mx::array>& mask, bool causal) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     throw std::invalid_argument("afm attention: q, k and v must have 4 dimensions");
   }
-  const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3);
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = k.shape(1), S = k.shape(2);
-  if (q.shape(2) != 1) throw std::invalid_argument("afm attention: one query position only");
+  if (L < 1 || L > kMaxQueryPositions) {
+    throw std::invalid_argument("afm attention: 1 to " + std::to_string(kMaxQueryPositions) +
+                                " query positions");
+  }
   if (k.shape(0) != B || v.shape(0) != B || k.shape(3) != D || v.shape(3) != D ||
       v.shape(1) != Hkv || v.shape(2) != S) {
-    throw std::invalid_argument("afm attention: k and v must be (B, Hkv, S, D) for q (B, Hq, 1, D)");
+    throw std::invalid_argument("afm attention: k and v must be (B, Hkv, S, D) for q (B, Hq, L, D)");
   }
   if (Hkv == 0 || Hq % Hkv != 0) {
     throw std::invalid_argument("afm attention: query heads must be a multiple of key heads");
@@ -582,10 +594,11 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
       throw std::invalid_argument("afm attention: the mask must be bool or float32");
     }
     // (raises for a mask that does not broadcast to the scores)
-    inputs.push_back(mx::broadcast_to(*mask, {B, Hq, 1, S}, stream));
+    inputs.push_back(mx::broadcast_to(*mask, {B, Hq, L, S}, stream));
   }
-  return mx::array({B, Hq, 1, D}, mx::float32,
-                   std::make_shared<AfmDecodeAttention>(stream, scale), std::move(inputs));
+  return mx::array({B, Hq, L, D}, mx::float32,
+                   std::make_shared<AfmDecodeAttention>(stream, scale, causal),
+                   std::move(inputs));
 }
 
 }  // namespace
@@ -600,10 +613,12 @@ NB_MODULE(qmm_ext, m) {
         "to int8 per block of 32");
   afm_layer::register_layer_ops(m);
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
-        "mask"_a = nb::none(),
-        "softmax(scale * q k^T + mask) v for one query position per (batch, head): q (B, Hq, "
-        "1, D), k and v (B, Hkv, S, D), float32; a bool mask keeps where true, a float32 mask "
-        "is added; both broadcast to (B, Hq, 1, S).");
+        "mask"_a = nb::none(), "causal"_a = false,
+        "softmax(scale * q k^T + mask) v for a few query positions per (batch, head): q (B, "
+        "Hq, L, D) with L at most 16, k and v (B, Hkv, S, D), float32; a bool mask keeps where "
+        "true, a float32 mask is added; both broadcast to (B, Hq, L, S); causal: query l sees "
+        "the keys up to S - L + l.  Position l gives the bits of a one-position call on the "
+        "keys up to it.");
   m.def("isa", [] { return std::string(afm_qmm::kernels().name); },
         "The instruction set of the kernels in use.");
   m.def("available_isas", [] {

@@ -1,9 +1,12 @@
 """afm_core._mlx.attention: the decode attention kernel against MLX's own.
 
 The kernel computes the same softmax(scale q k^T + mask) v as
-``mx.fast.scaled_dot_product_attention`` for one query position, summing in
-another order and with its own exponential (about 2 ulp), so the two agree
-to float32 rounding: 2e-6 of the largest |v| here (values of order 1).
+``mx.fast.scaled_dot_product_attention`` for one query position or a few,
+summing in another order and with its own exponential (about 2 ulp), so the
+two agree to float32 rounding: 2e-6 of the largest |v| here (values of order
+1).  Against itself it is exact: position j of an L-position call gives the
+bits of a one-position call on the keys up to j, which is what a speculative
+verify step needs to stand for the decode steps it replaces.
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def test_contiguous_queries_and_a_non_unit_key_stride():
 @needs_ext
 def test_refuses_what_it_does_not_compute():
     q, k, v = _qkv(1, 4, 2, 8, 16)
-    with pytest.raises(ValueError, match="one query position"):
-        ext.decode_attention(mx.concatenate([q, q], axis=2), k, v, 1.0)
+    with pytest.raises(ValueError, match="query positions"):
+        ext.decode_attention(mx.concatenate([q] * 17, axis=2), k, v, 1.0)
     with pytest.raises(ValueError, match="multiple"):
         ext.decode_attention(q, mx.concatenate([k, k[:, :1]], axis=1),
                              mx.concatenate([v, v[:, :1]], axis=1), 1.0)
@@ -102,6 +105,66 @@ def test_refuses_what_it_does_not_compute():
         ext.decode_attention(q, k, v, 1.0, mx.ones((8,), dtype=mx.int32))
     with pytest.raises(ValueError):
         ext.decode_attention(q, k, v, 1.0, mx.ones((7,), dtype=mx.bool_))  # does not broadcast
+
+
+def _queries(b, hq, n, d, seed):
+    """(B, Hq, L, D) as a model makes them: transposed from (B, L, Hq, D)."""
+    mx.random.seed(seed)
+    return mx.random.normal((b, n, hq, d)).transpose(0, 2, 1, 3)
+
+
+def _left_padded_mask(b, n, s, kind):
+    """What mlx-lm's BatchKVCache passes for ``n`` new positions over ``s``
+    keys: causal, with row i's first i + 1 positions padding (bool), or that
+    as an additive mask with random finite values where it keeps."""
+    from mlx_lm.models.base import create_causal_mask
+
+    mask = create_causal_mask(n, offset=s - n, left_padding=mx.arange(b) + 1)
+    if kind == "bool":
+        return mask
+    mx.random.seed(s)
+    return mx.where(mask, mx.random.normal(mask.shape), -mx.inf)
+
+
+@needs_ext
+@pytest.mark.parametrize("n", range(1, 10))
+@pytest.mark.parametrize("b", [1, 2, 3])
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "none"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 32), (6, 2, 20)])  # 20: portable
+def test_each_position_is_the_one_position_call_to_the_bit(n, b, mask_kind, hq, hkv, d):
+    s = 21 + n  # the cache: keys up to and including the n new positions
+    q = _queries(b, hq, n, d, seed=n + b)
+    _, k, v = _qkv(b, hq, hkv, s, d, strided=True, seed=s + d)
+    scale = d ** -0.5
+    if mask_kind in ("causal", "none"):
+        got = ext.decode_attention(q, k, v, scale, None, mask_kind == "causal")
+        masks = [None] * n
+    else:
+        mask = _left_padded_mask(b, n, s, mask_kind)
+        got = ext.decode_attention(q, k, v, scale, mask)
+        masks = [mask[..., j:j + 1, :s - n + j + 1] for j in range(n)]
+    got = np.array(got)
+    for j in range(n):
+        seen = s if mask_kind == "none" else s - n + j + 1
+        one = ext.decode_attention(q[:, :, j:j + 1], k[:, :, :seen], v[:, :, :seen], scale, masks[j])
+        np.testing.assert_array_equal(got[:, :, j:j + 1], np.array(one))
+
+
+@needs_ext
+@pytest.mark.parametrize("n", [2, 5, 16])
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "none"])
+@pytest.mark.parametrize(("b", "hq", "hkv", "s", "d"), [
+    (1, 15, 5, 256, 64), (3, 9, 3, 40, 64), (2, 8, 1, 600, 128), (2, 6, 2, 30, 20)])
+def test_positions_match_mlx(n, mask_kind, b, hq, hkv, s, d):
+    q = _queries(b, hq, n, d, seed=s)
+    _, k, v = _qkv(b, hq, hkv, s, d, strided=True, seed=s + n)
+    if mask_kind in ("causal", "none"):
+        mask = "causal" if mask_kind == "causal" else None
+        got = ext.decode_attention(q, k, v, 0.125, None, mask_kind == "causal")
+    else:
+        mask = _left_padded_mask(b, n, s, mask_kind)
+        got = ext.decode_attention(q, k, v, 0.125, mask)
+    _close(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
 
 
 @needs_ext
@@ -123,8 +186,13 @@ def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
     _close(sdpa(q, k, v, cache=None, scale=0.5, mask="causal"),
            mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5))
     assert len(calls) == 1 and calls[0][4] is None  # "causal" hides nothing for one position
-    q2 = mx.random.normal((1, 4, 3, 16))  # three positions: mlx-lm's path
-    sdpa(q2, k, v, cache=None, scale=0.5, mask="causal")
+    q3 = mx.random.normal((1, 4, 3, 16))  # three positions (a verify step): the kernel, causal
+    _close(sdpa(q3, k, v, cache=None, scale=0.5, mask="causal"),
+           mx.fast.scaled_dot_product_attention(q3, k, v, scale=0.5, mask="causal"))
+    assert len(calls) == 2 and calls[1][4] is None and calls[1][5] is True
+    q17 = mx.random.normal((1, 4, 17, 16))  # past MAX_QUERY_POSITIONS (a prompt): mlx-lm's path
+    sdpa(q17, mx.concatenate([k, k, k], axis=2), mx.concatenate([v, v, v], axis=2),
+         cache=None, scale=0.5, mask="causal")
     sdpa(q.astype(mx.bfloat16), k.astype(mx.bfloat16), v.astype(mx.bfloat16),
          cache=None, scale=0.5, mask=None)
 
@@ -133,7 +201,7 @@ def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
 
     assert not _attention._applies(q, k, v, QuantizedCache(), None, None)
     assert not _attention._applies(q, k, v, None, None, mx.zeros((4,)))  # attention sinks
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @needs_ext
@@ -196,3 +264,87 @@ def test_model_greedy_tokens_and_logits_match_mlx(tmp_path):
     assert got_tokens == tokens
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, float(np.abs(b).max())))
+
+
+def _fused_model(tmp_path):
+    from mlx_lm.utils import load_model
+
+    from afm_core._mlx import fusion
+    from afm_core.testing import make_random_model
+
+    path = make_random_model(tmp_path / "m", hidden_size=192, num_layers=2, num_heads=6,
+                             num_kv_heads=2, intermediate_size=256, seed=7)
+    model, _ = load_model(path)
+    nn.quantize(model, group_size=32, bits=4)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    return model
+
+
+def _primitives(out):
+    import collections
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        graph = f.read()
+    return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', graph))
+
+
+@needs_ext
+def test_off_switches_turn_every_kernel_off(tmp_path, monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from afm_core._mlx import fusion
+
+    monkeypatch.setenv(_attention.NO_DECODE_ATTENTION_ENV, "1")
+    monkeypatch.setenv(fusion.NO_LAYER_OPS_ENV, "1")
+    model = _fused_model(tmp_path)
+    try:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[5, 17, 256]]), cache=cache))
+        for n in (1, 3):
+            out = model(mx.array([[4] * n]), cache=cache)
+            ops = _primitives(out)
+            assert not {"AfmDecodeAttention", "AfmRopeDecode", "AfmRMSNorm"} & set(ops)
+            mx.eval(out)
+    finally:
+        fusion.unfuse_cpu_kernels(model)
+
+
+@needs_ext
+@pytest.mark.parametrize("cache_kind", ["single", "batch"])
+def test_model_forward_over_positions_is_the_decode_steps(tmp_path, cache_kind):
+    """A forward over L new positions (a verify step) gives, at position j,
+    the logits of decoding those tokens one at a time."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from afm_core._mlx import fusion
+
+    model = _fused_model(tmp_path)
+    try:
+        prompt = [[5, 17, 256, 3, 99, 41, 8], [0, 0, 12, 900, 4, 77, 31]]  # row 1 left-padded
+        guesses = [[300, 2, 45, 45, 610, 9, 128, 6, 1000], [7, 7, 512, 33, 80, 4, 1, 99, 2]]
+        rows = 1 if cache_kind == "single" else 2
+
+        def fresh():
+            if cache_kind == "single":
+                cache = make_prompt_cache(model)
+            else:
+                cache = [BatchKVCache([0, 2]) for _ in model.layers]
+            mx.eval(model(mx.array(prompt[:rows]), cache=cache))
+            return cache
+
+        for n in (1, 2, 3, 5, 9):
+            cache = fresh()
+            out = model(mx.array([g[:n] for g in guesses[:rows]]), cache=cache)
+            ops = _primitives(out)
+            assert ops["AfmDecodeAttention"] == ops["AfmRopeDecode"] / 2 == 2  # per layer
+            assert "Softmax" not in ops and "Matmul" not in ops
+            together = np.array(out)
+            cache = fresh()
+            for j in range(n):
+                one = np.array(model(mx.array([[g[j]] for g in guesses[:rows]]), cache=cache))
+                np.testing.assert_array_equal(together[:, j:j + 1], one)
+    finally:
+        fusion.unfuse_cpu_kernels(model)

@@ -1,5 +1,7 @@
 """The one-operation norm and decode rotary embedding (``ext/qmm/layer_ops.cpp``)
-against mlx's own layers, and the fused layers that use them.
+against mlx's own layers, and the fused layers that use them.  The rotary
+embedding of L positions gives, at position l, the bits of a one-position
+call at offset + l (what a speculative verify step needs).
 
 Both compute what mlx computes in another summation order (the norm's sum of
 squares) or with libm's sin/cos, so they agree to float32 rounding: 4e-6 of
@@ -73,6 +75,29 @@ def test_rope_decode_matches_mlx_rope(traditional, dims, head_dim, offset_dtype)
 
 
 @needs_ext
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 16])
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("offset_dtype", [mx.int32, mx.int64, mx.uint32, mx.float32])
+def test_rope_of_positions_is_one_position_calls_and_mlx(n, traditional, offset_dtype):
+    dims, head_dim = 48, 64
+    rope = nn.RoPE(dims, traditional=traditional, base=10000.0)
+    freqs = _freqs(dims, head_dim, traditional)
+    mx.random.seed(n)
+    x = mx.random.normal((3, n, 5, head_dim)).transpose(0, 2, 1, 3)  # as a model makes it
+    positions = [0, 37, 4099]
+    got = ext.rope_decode(x, mx.array(positions, dtype=offset_dtype), freqs, dims, traditional)
+    ref = mx.concatenate([rope(x[i:i + 1], offset=p) for i, p in enumerate(positions)])
+    _close(got, ref)
+    got = np.array(got)
+    for j in range(n):
+        at = mx.array([p + j for p in positions], dtype=offset_dtype)
+        one = ext.rope_decode(x[:, :, j:j + 1], at, freqs, dims, traditional)
+        np.testing.assert_array_equal(got[:, :, j:j + 1], np.array(one))
+    scalar = ext.rope_decode(x[1:2], mx.array(37, dtype=offset_dtype), freqs, dims, traditional)
+    np.testing.assert_array_equal(np.array(scalar), got[1:2])
+
+
+@needs_ext
 def test_refusals():
     x = mx.zeros((1, 2, 1, 8))
     f = mx.zeros((8,))
@@ -80,8 +105,8 @@ def test_refusals():
         ext.rms_norm(x.astype(mx.float16), mx.ones((8,)), 1e-5)
     with pytest.raises(ValueError):
         ext.rms_norm(x, mx.ones((7,)), 1e-5)
-    with pytest.raises(ValueError, match=r"\(B, H, 1, D\)"):
-        ext.rope_decode(mx.zeros((1, 2, 3, 8)), mx.array(0), f, 8, False)
+    with pytest.raises(ValueError, match=r"\(B, H, L, D\)"):
+        ext.rope_decode(mx.zeros((2, 3, 8)), mx.array(0), f, 8, False)
     with pytest.raises(ValueError, match="offset"):
         ext.rope_decode(x, mx.array([1, 2]), f, 8, False)
     with pytest.raises(ValueError, match="dims"):
@@ -94,6 +119,7 @@ def test_fused_layers_use_them_and_match_mlx_layers(ops, monkeypatch):
     if ops == "off":
         monkeypatch.setenv(fusion.NO_LAYER_OPS_ENV, "1")
     norm, rope = nn.RMSNorm(64, eps=1e-5), nn.RoPE(32, traditional=False, base=500000.0)
+    ref_layer = nn.RoPE(32, traditional=False, base=500000.0)
     norm.weight = mx.random.normal((64,))
     model = nn.Sequential(norm, rope)
     x = mx.random.normal((2, 1, 64))
@@ -115,5 +141,12 @@ def test_fused_layers_use_them_and_match_mlx_layers(ops, monkeypatch):
     _close(census(rope(q, offset=offsets)), ref_rope)
     one_op = ("AfmRMSNorm" in seen[0], "AfmRopeDecode" in seen[1])
     assert one_op == ((True, True) if ops == "on" else (False, False))
+    # a verify step: three positions per row, at an int offset (mlx-lm's
+    # single-sequence cache) or an array of them (its batch cache)
+    q3 = mx.random.normal((2, 3, 4, 64)).transpose(0, 2, 1, 3)
+    _close(census(rope(q3, offset=7)), ref_layer(q3, offset=7))
+    _close(census(rope(q3, offset=offsets)),
+           mx.concatenate([ref_layer(q3[i:i + 1], offset=int(offsets[i])) for i in range(2)]))
+    assert [("AfmRopeDecode" in g) for g in seen[2:]] == [ops == "on"] * 2
     fusion.unfuse_cpu_kernels(model)
     np.testing.assert_allclose(np.array(norm(x)), np.array(ref_norm), rtol=0, atol=0)
