@@ -18,7 +18,9 @@ namespace afm_qmm {
 
 enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
-// Activations quantized by quantize_rows().
+// Activations quantized by quantize_rows() (or by a kernel set's own
+// `quantize`, in the same buffers: avx512-vnni stores 16-bit activations as
+// one int16 row where quantize_rows stores two int8 passes).
 struct QActs {
   const int8_t* q = nullptr;  // [M][K]; for 4 bits each block of 32 holds
                               // its even elements, then its odd ones
