@@ -12,7 +12,14 @@ float16 or bfloat16 scales), computed as llama.cpp does:
   products run on 8-bit integers (AVX2 ``vpmaddubsw`` or AVX-512 VNNI
   ``vpdpbusd``, chosen at run time; NEON on arm64; a portable scalar loop
   otherwise), every weight byte read once for up to 4 rows at a time, the
-  output rows split over a small persistent thread pool;
+  output rows split over a small persistent thread pool; the default 16-bit
+  precision adds an int8 remainder product, except on the ``avx512-vnni``
+  kernels (512-bit registers), which quantize to int16 and use one
+  ``vpdpwssd`` product, reduce 16 blocks at a time to one register before
+  the float stage, and reuse each unpacked weight row for up to 8 rows, so a
+  few rows (batched decode, speculation's verify pass) cost little more than
+  one.  Whatever the kernels, a row's output does not depend on the other rows
+  of the product (the verify pass must give one-row decoding's bits);
 * the bias term uses the exact float sum of each group, so the only error
   beyond float rounding is the activations' int8 rounding: about 1% of the
   largest output for Gaussian data (0.5% typical), the same trade llama.cpp
@@ -66,6 +73,7 @@ class _Extension(Protocol):
     def set_thread_limit(self, n: int) -> None: ...
     def has_sgemm(self) -> bool: ...
     def set_gemm_rows(self, n: int) -> None: ...
+    def set_activation_bits(self, bits: int) -> None: ...
     def decode_attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
                          mask: mx.array | None = None, causal: bool = False) -> mx.array: ...
     def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array: ...

@@ -375,11 +375,11 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   // Both stages are split into chunks claimed by whichever thread is free
   // (Pool::run): several per thread, so a late worker costs little.
   if (threads == 1 || M < 16 * threads) {
-    quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp, 0, M);
+    ks_set.quantize(xp, offs, ks, K, group, bits, passes, qp, dp, sp, 0, M);
   } else {
     const int chunks = std::min(M, 4 * threads);
     const std::function<void(int)> quant = [&](int c) {
-      quantize_rows(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
+      ks_set.quantize(xp, offs, ks, K, group, bits, passes, qp, dp, sp,
                     static_cast<int>(static_cast<int64_t>(M) * c / chunks),
                     static_cast<int>(static_cast<int64_t>(M) * (c + 1) / chunks));
     };

@@ -1,6 +1,7 @@
 // Kernels for afm_core._mlx.qmm_ext: activation quantization, and one integer
-// gemv/gemm per instruction set (portable scalar; AVX2 and AVX-512 VNNI on
-// x86-64, chosen at run time; NEON on arm64).  See qmm_kernels.h.
+// gemv/gemm per instruction set (portable scalar; AVX2, AVX2 with AVX-512
+// VNNI's vpdpbusd, and 512-bit AVX-512 VNNI on x86-64, chosen at run time; NEON
+// on arm64).  See qmm_kernels.h.
 #include "qmm_kernels.h"
 
 #include <cmath>
@@ -189,6 +190,9 @@ namespace vnni {
 #include "qmm_x86.inc"
 #undef QMM_VNNI
 }  // namespace vnni
+namespace avx512 {
+#include "qmm_avx512.inc"
+}  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -197,20 +201,21 @@ namespace vnni {
 #endif
 
 struct Available {
-  KernelSet sets[4];
+  KernelSet sets[5];
   int count = 0;
   Available() {
-    sets[count++] = {scalar::range, "scalar"};
+    sets[count++] = {scalar::range, "scalar", quantize_rows};
 #if QMM_NEON
-    sets[count++] = {neon::range, "neon"};
+    sets[count++] = {neon::range, "neon", quantize_rows};
 #endif
 #if QMM_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      sets[count++] = {avx2::range, "avx2"};
+      sets[count++] = {avx2::range, "avx2", quantize_rows};
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
-        sets[count++] = {vnni::range, "avx2-vnni"};
+        sets[count++] = {vnni::range, "avx2-vnni", quantize_rows};
+        sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize};
       }
     }
 #endif

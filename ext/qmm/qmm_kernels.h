@@ -18,7 +18,9 @@ namespace afm_qmm {
 
 enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
-// Activations quantized by quantize_rows().
+// Activations quantized by quantize_rows() (or by a kernel set's own
+// `quantize`, in the same buffers: avx512-vnni stores 16-bit activations as
+// one int16 row where quantize_rows stores two int8 passes).
 struct QActs {
   const int8_t* q = nullptr;  // [M][K]; for 4 bits each block of 32 holds
                               // its even elements, then its odd ones
@@ -52,13 +54,20 @@ void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst);
 // passes of a row summed: the remainder's group sums are 0, so its bias term is).
 using RangeKernel = void (*)(const QActs&, const QWeights&, float* out, int n0, int n1);
 
+// quantize_rows()'s signature: a kernel set may lay out (or quantize) the
+// activations its own way, in the same buffers.
+using QuantizeFn = void (*)(const float* x, const int64_t* row_offsets, int64_t kstride, int K,
+                            int group, int bits, int passes, int8_t* q, float* d, float* xsum,
+                            int m0, int m1);
+
 struct KernelSet {
   RangeKernel range;
   const char* name;
+  QuantizeFn quantize;  // the activations for `range`
 };
 
 // The best kernel set this CPU runs, or the one named by AFM_QMM_ISA
-// (scalar, avx2, avx2-vnni, neon) if this CPU runs it.
+// (scalar, avx2, avx2-vnni, avx512-vnni, neon) if this CPU runs it.
 const KernelSet& select_kernels();
 // Every kernel set this CPU can run (for tests), best last.
 int available_kernels(const KernelSet** out, int max);

@@ -110,6 +110,31 @@ def test_integer_path_exact_on_the_int8_grid(isa, integer_path, bits, group):
 
 
 @needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize(("bits", "group", "shape"),
+                         [(4, 32, (130, 576)), (8, 64, (72, 320)), (4, 128, (40, 640))])
+def test_a_row_gives_the_same_bits_among_any_number_of_rows(isa, integer_path, act_bits, bits,
+                                                             group, shape):
+    """Speculative decoding's verify pass (several rows) must give each row the
+    bits its one-row decode step gives: within one kernel set a row's output
+    may not depend on the other rows or on how they were blocked."""
+    n, k = shape
+    q, s, b = _weights(n, k, bits, group)
+    x = mx.random.normal((17, k), key=mx.random.key(k + bits))
+    ext.set_activation_bits(act_bits)
+    try:
+        alone = [np.array(ext.quantized_matmul(x[i:i + 1], q, s, b, group, bits))
+                 for i in range(17)]
+        for rows in range(1, 18, 2):
+            y = np.array(ext.quantized_matmul(x[:rows], q, s, b, group, bits))
+            for i in range(rows):
+                assert np.array_equal(y[i:i + 1], alone[i]), (rows, i)
+    finally:
+        ext.set_activation_bits(16)
+
+
+@needs_ext
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("rows", [64, 300])
