@@ -190,9 +190,18 @@ namespace vnni {
 #include "qmm_x86.inc"
 #undef QMM_VNNI
 }  // namespace vnni
+// GCC's own 512-bit intrinsics start from _mm512_undefined_*(), which its
+// -Wmaybe-uninitialized reports at every inlined use: not our code's warning.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 namespace avx512 {
 #include "qmm_avx512.inc"
 }  // namespace avx512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
