@@ -39,10 +39,11 @@ namespace mx = mlx::core;
 constexpr int kMaxRep = 16;  // query heads per key head on the AVX2 path
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLowest = std::numeric_limits<float>::lowest();  // mlx-lm's masked score
-// Below this many multiply-adds (B * Hq * S * D) a job stays on one thread
-// (hand-offs cost tens of microseconds); unpacking makes a position dearer
-// than decode_attention's float rows (its threshold: 300000).
-constexpr double kMinWork = 150000.0;
+// Below this many multiply-adds (B * Hq * S * D) a job stays on one thread:
+// a hand-off costs tens of microseconds, about what one thread takes for a
+// layer of the default model (9 query heads of 64) at 512 positions
+// (2 cores: 52 us alone, 57 us on both; at 2048, 177 us and 125 us).
+constexpr double kMinWork = 500000.0;
 constexpr int kMinPart = 128;  // positions per part, at least
 
 // One quantized array of the cache: packed words, scales, biases (B, Hkv, S, *).
@@ -248,12 +249,56 @@ inline Row row_at(const QView& x, int b, int kh, int s) {
           x.bi + b * x.bs[0] + kh * x.bs[1] + s * x.bs[2]};
 }
 
+// Chunks j0 .. j0 + JB - 1 (8 elements each) of the weighted values of
+// Rep query heads: the sums kept in registers over the part's rows, so a
+// head size of 64 at Rep = 3 takes four passes over the rows (each unpacking
+// its own quarter of them) instead of a load and a store per multiply-add.
+template <int Bits, int Rep, int JB>
+inline void values_block(const Args& a, int b, int kh, int p0, int n, const float* sc, int j0,
+                         float* rec) {
+  const int per_group = a.group / 8, rs = record_size(a);
+  const int64_t vgs = a.v.ss[3], vgb = a.v.bs[3];
+  __m256 acc[Rep][JB];
+  for (int r = 0; r < Rep; ++r) {
+    for (int jj = 0; jj < JB; ++jj) acc[r][jj] = _mm256_setzero_ps();
+  }
+  for (int i = 0; i < n; ++i) {
+    const Row v = row_at(a.v, b, kh, p0 + i);
+    __m256 p[Rep];
+    for (int r = 0; r < Rep; ++r) p[r] = _mm256_broadcast_ss(sc + static_cast<size_t>(r) * n + i);
+    for (int jj = 0; jj < JB; ++jj) {
+      const int j = j0 + jj, g = j / per_group;
+      const __m256 vv = _mm256_fmadd_ps(ints8<Bits>(v.w, j), _mm256_broadcast_ss(v.sc + g * vgs),
+                                        _mm256_broadcast_ss(v.bi + g * vgb));
+      for (int r = 0; r < Rep; ++r) acc[r][jj] = _mm256_fmadd_ps(p[r], vv, acc[r][jj]);
+    }
+  }
+  for (int r = 0; r < Rep; ++r) {
+    for (int jj = 0; jj < JB; ++jj) _mm256_storeu_ps(rec + r * rs + 2 + 8 * (j0 + jj), acc[r][jj]);
+  }
+}
+
+// The mask over a head's scores row[0..n) (positions p0 ..).
+inline void apply_mask(const Args& a, int b, int h, int p0, int n, float* row) {
+  const int64_t base = b * a.ms[0] + h * a.ms[1] + p0 * a.ms[2], step = a.ms[2];
+  if (a.mask_kind == MaskKind::boolean) {
+    const uint8_t* m = static_cast<const uint8_t*>(a.mask) + base;
+    for (int i = 0; i < n; ++i) row[i] = m[i * step] ? row[i] : kLowest;
+  } else if (a.mask_kind == MaskKind::additive) {
+    const float* m = static_cast<const float*>(a.mask) + base;
+    for (int i = 0; i < n; ++i) row[i] += m[i * step];
+  }
+}
+
 // Words contiguous in each row; D and Dv multiples of 8, as is the group.
-template <int Bits>
+// Rep: the query heads per key head, or 0 for any (Hq / Hkv, at most
+// kMaxRep) with the weighted values summed in memory.
+template <int Bits, int Rep>
 void part_avx2(const Args& a, int b, int kh, int p0, int p1, float* rec) {
-  const int D = a.D, Dv = a.Dv, n = p1 - p0, rep = a.Hq / a.Hkv, rs = record_size(a);
+  const int D = a.D, Dv = a.Dv, n = p1 - p0, rs = record_size(a);
+  const int rep = Rep > 0 ? Rep : a.Hq / a.Hkv;
   const int nk = D / 8, nv = Dv / 8, per_group = a.group / 8;
-  const int64_t kgs = a.k.ss[3], kgb = a.k.bs[3], vgs = a.v.ss[3], vgb = a.v.bs[3];
+  const int64_t kgs = a.k.ss[3], kgb = a.k.bs[3];
   float* sc = scratch(static_cast<size_t>(rep) * n + static_cast<size_t>(rep) * D);
   float* qs = sc + static_cast<size_t>(rep) * n;
   const __m256 scale = _mm256_set1_ps(a.scale);
@@ -266,10 +311,10 @@ void part_avx2(const Args& a, int b, int kh, int p0, int p1, float* rec) {
   // scores: each key row unpacked once for every query head of this key head
   for (int i = 0; i < n; ++i) {
     const Row k = row_at(a.k, b, kh, p0 + i);
-    __m256 dots[kMaxRep];
+    __m256 dots[Rep > 0 ? Rep : kMaxRep];
     for (int r = 0; r < rep; ++r) dots[r] = _mm256_setzero_ps();
     for (int g = 0, j = 0; j < nk; ++g) {
-      const __m256 s = _mm256_set1_ps(k.sc[g * kgs]), c = _mm256_set1_ps(k.bi[g * kgb]);
+      const __m256 s = _mm256_broadcast_ss(k.sc + g * kgs), c = _mm256_broadcast_ss(k.bi + g * kgb);
       for (int e = j + per_group; j < e; ++j) {
         const __m256 kv = _mm256_fmadd_ps(ints8<Bits>(k.w, j), s, c);
         for (int r = 0; r < rep; ++r) {
@@ -282,9 +327,7 @@ void part_avx2(const Args& a, int b, int kh, int p0, int p1, float* rec) {
   bool any = false;
   for (int r = 0; r < rep; ++r) {
     float* row = sc + static_cast<size_t>(r) * n;
-    if (a.mask_kind != MaskKind::none) {
-      for (int i = 0; i < n; ++i) row[i] = masked(a, b, kh * rep + r, p0 + i, row[i]);
-    }
+    apply_mask(a, b, kh * rep + r, p0, n, row);
     float* out = rec + r * rs;
     // (a head whose scores are all -inf keeps zeros: e^(-inf - -inf) is NaN)
     if (!softmax_part(row, n, out, exp_row_avx2)) std::memset(row, 0, sizeof(float) * n);
@@ -292,11 +335,19 @@ void part_avx2(const Args& a, int b, int kh, int p0, int p1, float* rec) {
     std::memset(out + 2, 0, sizeof(float) * Dv);
   }
   if (!any) return;
+  if constexpr (Rep > 0) {
+    constexpr int JB = Rep >= 8 ? 1 : 8 / Rep;  // at most 8 sums in registers
+    int j = 0;
+    for (; j + JB <= nv; j += JB) values_block<Bits, Rep, JB>(a, b, kh, p0, n, sc, j, rec);
+    for (; j < nv; ++j) values_block<Bits, Rep, 1>(a, b, kh, p0, n, sc, j, rec);
+    return;
+  }
   // weighted values: each value row unpacked once for every query head
+  const int64_t vgs = a.v.ss[3], vgb = a.v.bs[3];
   for (int i = 0; i < n; ++i) {
     const Row v = row_at(a.v, b, kh, p0 + i);
     for (int g = 0, j = 0; j < nv; ++g) {
-      const __m256 s = _mm256_set1_ps(v.sc[g * vgs]), c = _mm256_set1_ps(v.bi[g * vgb]);
+      const __m256 s = _mm256_broadcast_ss(v.sc + g * vgs), c = _mm256_broadcast_ss(v.bi + g * vgb);
       for (int e = j + per_group; j < e; ++j) {
         const __m256 vv = _mm256_fmadd_ps(ints8<Bits>(v.w, j), s, c);
         for (int r = 0; r < rep; ++r) {
@@ -306,6 +357,21 @@ void part_avx2(const Args& a, int b, int kh, int p0, int p1, float* rec) {
         }
       }
     }
+  }
+}
+
+template <int Bits>
+void part_avx2_any(const Args& a, int b, int kh, int p0, int p1, float* rec) {
+  switch (a.Hq / a.Hkv) {  // the common query heads per key head, unrolled
+    case 1: return part_avx2<Bits, 1>(a, b, kh, p0, p1, rec);
+    case 2: return part_avx2<Bits, 2>(a, b, kh, p0, p1, rec);
+    case 3: return part_avx2<Bits, 3>(a, b, kh, p0, p1, rec);
+    case 4: return part_avx2<Bits, 4>(a, b, kh, p0, p1, rec);
+    case 5: return part_avx2<Bits, 5>(a, b, kh, p0, p1, rec);
+    case 6: return part_avx2<Bits, 6>(a, b, kh, p0, p1, rec);
+    case 7: return part_avx2<Bits, 7>(a, b, kh, p0, p1, rec);
+    case 8: return part_avx2<Bits, 8>(a, b, kh, p0, p1, rec);
+    default: return part_avx2<Bits, 0>(a, b, kh, p0, p1, rec);
   }
 }
 
@@ -338,9 +404,9 @@ void run_part(const Args& a, bool fast, int b, int kh, int p0, int p1, float* re
 #if QATTN_X86
   if (fast) {
     if (a.bits == 8) {
-      part_avx2<8>(a, b, kh, p0, p1, rec);
+      part_avx2_any<8>(a, b, kh, p0, p1, rec);
     } else {
-      part_avx2<4>(a, b, kh, p0, p1, rec);
+      part_avx2_any<4>(a, b, kh, p0, p1, rec);
     }
     return;
   }

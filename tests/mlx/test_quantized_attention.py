@@ -77,7 +77,7 @@ def _left_padding_mask(s, pads):
     (1, 9, 3, 1, 64, 64), (1, 9, 3, 255, 64, 64), (2, 9, 3, 257, 64, 64), (3, 4, 4, 7, 128, 32),
     (2, 8, 1, 33, 128, 128), (1, 2, 2, 512, 64, 32),
     (1, 9, 3, 3000, 64, 64),  # long enough to split over the thread pool, in parts
-    (2, 16, 2, 1100, 128, 64),
+    (2, 16, 2, 1100, 128, 64), (1, 10, 1, 300, 64, 32),  # 10 query heads a key head: not unrolled
 ])
 def test_matches_mlx_lm_without_mask(bits, b, hq, hkv, s, d, group):
     k = _quantized(b, hkv, s, d, bits=bits, group=group, seed=s + d)
