@@ -283,3 +283,19 @@ def test_model_greedy_tokens_and_logits_match_mlx_lm(tmp_path, bits):
     for a, b in zip(got, ref, strict=True):
         tol = 1e-4 if bits == 8 else 5e-2
         np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())))
+
+
+@needs_ext
+def test_the_off_switch_leaves_mlx_lm_attention(tmp_path, monkeypatch):
+    """``AFM_NO_DECODE_ATTENTION=1``: neither kernel, mlx-lm's function stays."""
+    import mlx_lm.models.qwen3 as qwen3
+    from mlx_lm.utils import load_model
+
+    from afm_core.testing import make_random_model
+
+    monkeypatch.setattr(_attention, "_users", {})
+    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", _attention._original)
+    model, _ = load_model(make_random_model(tmp_path / "m", hidden_size=64, num_layers=1, seed=1))
+    monkeypatch.setenv(_attention.NO_DECODE_ATTENTION_ENV, "1")
+    assert _attention.use_decode_attention(model) == 0
+    assert qwen3.scaled_dot_product_attention is _attention._original
