@@ -15,13 +15,18 @@ For ``float``, ``8`` and ``4`` bits (``EngineConfig.kv_bits``, group size
   together and take turns, request by request, over ``--rounds`` rounds; the
   range over rounds is printed (the machine may be shared: compare within a
   run only).
+* with ``--mlx-lm-attention``, also each quantized setting's decode rate
+  through mlx-lm's ``quantized_scaled_dot_product_attention`` (rows
+  ``8-bit mlx-lm``): the same engine, the fused kernel
+  (``qmm_ext.quantized_decode_attention``) switched off for those requests
+  only, so before and after take turns in one run.
 * **greedy agreement with float KV** over 8 fixed chat prompts x
   ``--agree-tokens`` tokens, all in flight together (a batch): the fraction
   of tokens identical up to each prompt's first divergence from the float
   engine's tokens, and how many prompts match in full.
 
     .venv/bin/python benchmarks/kv_bits.py [--model default|random|DIR] [--rounds 3]
-        [--contexts 512,2048] [--decode-tokens 64] [--agree-tokens 64]
+        [--contexts 512,2048] [--decode-tokens 64] [--agree-tokens 64] [--mlx-lm-attention]
 """
 
 from __future__ import annotations
@@ -51,8 +56,26 @@ PROMPTS = [
 SETTINGS: tuple[int | None, ...] = (None, 8, 4)
 
 
-def label(bits: int | None) -> str:
-    return "float" if bits is None else f"{bits}-bit"
+Variant = tuple[int | None, bool]
+"""A decode-rate row: the KV bits and whether mlx-lm's quantized attention replaces the kernel."""
+
+
+def label(bits: int | None, mlx_lm: bool = False) -> str:
+    return ("float" if bits is None else f"{bits}-bit") + (" mlx-lm" if mlx_lm else "")
+
+
+@contextlib.contextmanager
+def mlx_lm_attention(on: bool) -> Any:
+    """While ``on``: afm's attention wrapper leaves quantized caches to mlx-lm."""
+    from afm_core._mlx import attention
+
+    real = attention._applies_quantized
+    if on:
+        attention._applies_quantized = lambda *a: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        attention._applies_quantized = real  # type: ignore[assignment]
 
 
 def kv_bytes_per_token(path: Path, tokens: int) -> dict[int | None, float]:
@@ -126,7 +149,10 @@ async def main(args: argparse.Namespace) -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     print(f"model {path}")
     per_token = kv_bytes_per_token(path, args.memory_tokens)
-    rates: dict[tuple[int | None, int], list[float]] = {(b, c): [] for b in SETTINGS for c in contexts}
+    variants: list[Variant] = [(b, False) for b in SETTINGS]
+    if args.mlx_lm_attention:
+        variants += [(b, True) for b in SETTINGS if b is not None]
+    rates: dict[tuple[Variant, int], list[float]] = {(v, c): [] for v in variants for c in contexts}
     async with contextlib.AsyncExitStack() as stack:
         engines = {b: await stack.enter_async_context(open_engine(path, kv_bits=b, prefix_cache_bytes=0,
                                                                   max_batch=8))
@@ -135,22 +161,25 @@ async def main(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for ctx in contexts:
                 ids = [(i * 104729 + r) % 20000 + 100 for i in range(ctx)]
-                for b in SETTINGS:
-                    rates[(b, ctx)].append(await decode_rate(engines[b], ids, args.decode_tokens))
-            print(f"round {r + 1}/{args.rounds} done", flush=True)
+                for v in variants:
+                    with mlx_lm_attention(v[1]):
+                        rates[(v, ctx)].append(await decode_rate(engines[v[0]], ids, args.decode_tokens))
+            print(f"round {r + 1}/{args.rounds}: "
+                  + ", ".join(f"{label(*v)} @{c} {xs[-1]:.1f}" for (v, c), xs in rates.items()), flush=True)
 
     head = ["KV", "bytes/token", "vs float"]
     head += [f"decode tok/s @{c} (median, range)" for c in contexts]
     head += [f"agreement ({len(PROMPTS)}x{args.agree_tokens})", "full matches"]
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for b in SETTINGS:
-        row = [label(b), f"{per_token[b]:,.0f}", f"{per_token[b] / per_token[None]:.3f}"]
+    for v in variants:
+        b = v[0]
+        row = [label(*v), f"{per_token[b]:,.0f}", f"{per_token[b] / per_token[None]:.3f}"]
         for c in contexts:
-            xs = rates[(b, c)]
+            xs = rates[(v, c)]
             row.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
         frac, full = agreement(tokens[None], tokens[b])
-        row += [f"{frac:.3f}", f"{full}/{len(PROMPTS)}"]
+        row += [f"{frac:.3f}", f"{full}/{len(PROMPTS)}"] if not v[1] else ["", ""]
         print("| " + " | ".join(row) + " |")
 
 
@@ -162,4 +191,6 @@ if __name__ == "__main__":
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--memory-tokens", type=int, default=512)
+    p.add_argument("--mlx-lm-attention", action="store_true",
+                   help="also time the quantized settings through mlx-lm's attention (the unfused path)")
     trio.run(main, p.parse_args())

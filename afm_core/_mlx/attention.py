@@ -31,6 +31,15 @@ query positions, float32, CPU, no quantized cache, no attention sinks) and
 calls mlx-lm's function otherwise (prompts, for one).
 The name is module-wide, so it is counted per module and given back
 (:func:`restore_decode_attention`) when the last model using it lets go.
+
+A quantized KV cache (``kv_bits``, a cache with ``bits``) hands mlx-lm's
+attention its ``mx.quantize``'d ``(data, scales, biases)`` triples, and
+mlx-lm's ``quantized_scaled_dot_product_attention`` runs two quantized
+matmuls, a mask and a softmax as separate operations: decode 1.4-3x slower
+than float KV.  For one query position with float32 queries and scales,
+``qmm_ext.quantized_decode_attention`` (``ext/qmm/quantized_attention.cpp``)
+computes it as one primitive reading the packed rows in place, masks as
+mlx-lm applies them (``tests/mlx/test_quantized_attention.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import os
 import sys
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,12 +80,42 @@ def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
             and mx.default_device() == mx.cpu)
 
 
+class _QuantizedAttention(Protocol):
+    """``qmm_ext.quantized_decode_attention`` (typed here, beside its one caller)."""
+
+    def quantized_decode_attention(self, q: mx.array, keys: tuple[mx.array, ...],
+                                   values: tuple[mx.array, ...], scale: float,
+                                   mask: mx.array | None, group_size: int, bits: int) -> mx.array: ...
+
+
+def _applies_quantized(queries: mx.array, keys: Any, values: Any, cache: Any,
+                       mask: Any, sinks: Any) -> bool:
+    if not (getattr(cache, "bits", None) in (4, 8) and getattr(cache, "group_size", None) in (32, 64, 128)
+            and queries.ndim == 4 and queries.shape[2] == 1 and sinks is None
+            and isinstance(keys, tuple | list) and isinstance(values, tuple | list)
+            and len(keys) == len(values) == 3 and queries.dtype == mx.float32
+            and keys[1].dtype == values[1].dtype == mx.float32
+            and mx.default_device() == mx.cpu):
+        return False
+    if mask is None or isinstance(mask, str):
+        return True
+    # mlx-lm lines a 4-D mask's head axis up with the key heads (the kernel:
+    # query heads), a 3-D one's first axis with the query heads per key head
+    grouped = queries.shape[1] != keys[0].shape[1]
+    return (isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32)
+            and (not grouped or mask.ndim <= 2 or (mask.ndim == 4 and mask.shape[1] == 1)))
+
+
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
                                  cache: Any, scale: float, mask: Any,
                                  sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``, through the decode kernel
     where it applies."""
     ext = _qmm.extension()
+    if ext is not None and _applies_quantized(queries, keys, values, cache, mask, sinks):
+        return cast(_QuantizedAttention, ext).quantized_decode_attention(
+            queries, tuple(keys), tuple(values), float(scale),
+            mask if isinstance(mask, mx.array) else None, cache.group_size, cache.bits)
     if ext is not None and _applies(queries, keys, values, cache, mask, sinks):
         causal = isinstance(mask, str)  # at one query position it hides nothing
         return ext.decode_attention(queries, keys, values, float(scale),

@@ -42,6 +42,7 @@
 #include "attention_kernels.h"
 #include "cpu_task.h"
 #include "qmm_kernels.h"
+#include "quantized_attention.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -604,6 +605,35 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 }  // namespace
 }  // namespace afm_qmm
 
+// ---------------------------------------------------------------- quantized attention
+// quantized_decode_attention (quantized_attention.cpp) on this module's pool.
+namespace afm_qmm {
+namespace {
+
+void register_quantized_attention(nb::module_& m) {
+  afm_qattn::Runner runner;
+  runner.threads = [](double work, double min_work) { return pool_threads(pool(), work, min_work); };
+  runner.run = [](int n, int chunks, const std::function<void(int)>& fn) {
+    pool().run(n, chunks, fn);
+  };
+  m.def("quantized_decode_attention",
+        [runner](const mx::array& q, const std::vector<mx::array>& keys,
+                 const std::vector<mx::array>& values, float scale,
+                 const std::optional<mx::array>& mask, int group_size, int bits) {
+          return afm_qattn::quantized_decode_attention(q, keys, values, scale, mask, group_size,
+                                                       bits, runner);
+        },
+        "q"_a, "keys"_a, "values"_a, "scale"_a, "mask"_a = nb::none(), "group_size"_a = 64,
+        "bits"_a = 8,
+        "mlx-lm's quantized_scaled_dot_product_attention for one query position per (batch, "
+        "head): q (B, Hq, 1, D) float32; keys and values mx.quantize'd (data, scales, biases), "
+        "(B, Hkv, S, *), float32 scales; a bool mask keeps where true, a float32 mask is added; "
+        "both broadcast to (B, Hq, 1, S).");
+}
+
+}  // namespace
+}  // namespace afm_qmm
+
 NB_MODULE(qmm_ext, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "x @ dequantize(w).T on the CPU for MLX's affine quantized layout";
@@ -650,4 +680,5 @@ NB_MODULE(qmm_ext, m) {
         "Threads of the pool (AFM_QMM_THREADS, default: the CPUs).");
   m.def("set_thread_limit", [](int n) { afm_qmm::g_thread_limit.store(n); }, "n"_a,
         "Use at most n threads per product (0: all of the pool).");
+  afm_qmm::register_quantized_attention(m);
 }
