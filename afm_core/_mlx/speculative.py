@@ -61,7 +61,7 @@ given.  Rows reading log-probabilities get each emitted token's from its
 position of the verify pass (after processors, as a plain step's).
 
 **The cache after a verify step.**  Every row computed ``1 + K`` positions
-(``K`` the longest proposal, at most ``VERIFY_ROWS`` rows in all; shorter
+(``K`` the longest proposal, at most :func:`verify_rows` rows in all; shorter
 ones are padded); row ``i`` keeps ``1 +
 a_i`` (``a_i`` accepted).  All rows are trimmed by the smallest surplus
 (``BatchKVCache.trim``); a row with more surplus is rolled right by the rest,
@@ -78,7 +78,6 @@ is trimmed to the tokens it emitted).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -88,6 +87,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from . import qmatmul as _qmm
 from .batch import process_rows
 from .quantized_cache import BatchQuantizedKVCache
 
@@ -106,17 +106,22 @@ NGRAM_MIN = 2
 MAX_REST = 16
 """Most steps a row whose guesses keep missing goes without proposing."""
 
-_GEMM_ROWS = int(os.environ.get("AFM_QMM_GEMM_ROWS", "32") or 32)
 _TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache)
 """Batch caches a verify step can trim back."""
 
-VERIFY_ROWS = _GEMM_ROWS - 1 if _GEMM_ROWS > 1 else 1 << 20
-"""Most rows (streams x positions) a verify step computes.  From
-``AFM_QMM_GEMM_ROWS`` rows (32) the quantized product dequantizes whole
-weights for a BLAS product (``afm_core._mlx.qmatmul``), the right trade for a
-prefill chunk and a loss for a few verify positions: on the default model 8
-streams x 5 positions took 2.5 s against 0.13 s for 8 x 1.  Wider batches
-get shorter proposals (8 streams: 2 tokens each)."""
+
+def verify_rows() -> int:
+    """Most rows (streams x positions) a verify step computes: fewer than the
+    rows from which the quantized product dequantizes whole weights for a BLAS
+    product (``qmm_ext.gemm_rows()``: 64 on AVX-512 VNNI, else 32; see
+    ``afm_core._mlx.qmatmul``), the right trade for a prefill chunk and a loss
+    for a few verify positions (on the default model 8 streams x 5 positions
+    once took 2.5 s against 0.13 s for 8 x 1), and the integer kernels give
+    each row the bits one-row decoding gives it.  Wider batches get shorter
+    proposals.  Without the extension, no bound."""
+    ext = _qmm.extension()
+    rows = ext.gemm_rows() if ext is not None else 0
+    return rows - 1 if rows > 1 else 1 << 20
 
 
 class Proposer(Protocol):
@@ -281,7 +286,7 @@ class Speculation:
     def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
         """One verify step of ``batch`` (its responses), or None: a plain step is due."""
         n = len(batch.uids)
-        cap = min(self.tokens, VERIFY_ROWS // max(n, 1) - 1)
+        cap = min(self.tokens, verify_rows() // max(n, 1) - 1)
         if n == 0 or n > self.max_batch or cap < 1:
             return None
         if not all(type(c) in _TRIMMABLE for c in batch.prompt_cache):

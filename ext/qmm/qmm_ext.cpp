@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -240,15 +241,19 @@ int act_passes() {
     g_passes.store(v);
   }
   return v;
-}  // rows from which to use sgemm; -1: AFM_QMM_GEMM_ROWS
+}
 
+// Rows from which a product goes through sgemm (set_gemm_rows; -1: the
+// default).  The default is AFM_QMM_GEMM_ROWS, else where the kernel set in
+// use stops beating dequantize + sgemm: 64 rows for avx512-vnni (a decode step
+// of 32 streams took 230-250 ms through sgemm against 113-138 ms on the
+// integer kernels, and products of 48 rows still favour them), 32 for the others.
 int gemm_rows() {
-  int v = g_gemm_rows.load();
-  if (v < 0) {
-    v = env_int("AFM_QMM_GEMM_ROWS", 32);
-    g_gemm_rows.store(v);
-  }
-  return v;
+  const int v = g_gemm_rows.load();
+  if (v >= 0) return v;
+  static const int env = env_int("AFM_QMM_GEMM_ROWS", -1);
+  if (env >= 0) return env;
+  return std::strcmp(kernels().name, "avx512-vnni") == 0 ? 64 : 32;
 }
 
 // y (M x N) = x (M x K, rows at offsets) @ dequantize(w).T through sgemm, one
@@ -672,7 +677,10 @@ NB_MODULE(qmm_ext, m) {
   m.def("has_sgemm", [] { return afm_qmm::find_sgemm() != nullptr; },
         "Whether products of many rows can go to the process's cblas_sgemm.");
   m.def("set_gemm_rows", [](int n) { afm_qmm::g_gemm_rows.store(n); }, "n"_a,
-        "Rows from which products go through sgemm (0: never; default AFM_QMM_GEMM_ROWS or 32).");
+        "Rows from which products go through sgemm (0: never; -1: the default, "
+        "AFM_QMM_GEMM_ROWS or 64 on avx512-vnni, else 32).");
+  m.def("gemm_rows", [] { return afm_qmm::gemm_rows(); },
+        "Rows from which products go through sgemm now (0: never).");
   m.def("set_activation_bits", [](int bits) { afm_qmm::g_passes.store(bits <= 8 ? 1 : 2); },
         "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): int8 plus "
         "an int8 remainder, two integer products.");
