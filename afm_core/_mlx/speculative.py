@@ -78,6 +78,7 @@ is trimmed to the tokens it emitted).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -105,6 +106,10 @@ NGRAM_MIN = 2
 
 MAX_REST = 16
 """Most steps a row whose guesses keep missing goes without proposing."""
+
+_STEP_TIMEOUT = 2.0
+"""Seconds between two steps beyond which the engine was idle between them
+(not counted as a step's time)."""
 
 _TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache)
 """Batch caches a verify step can trim back."""
@@ -247,21 +252,54 @@ class Speculation:
     """uid -> verify steps in a row that rejected the whole proposal."""
     resting: dict[int, int] = field(default_factory=dict)
     """uid -> steps the row still proposes nothing for (see :meth:`_rest`)."""
+    gain: dict[int, float] = field(default_factory=dict)
+    """uid -> moving average of the tokens its verify steps accepted."""
+    step_seconds: dict[tuple[int, bool], float] = field(default_factory=dict)
+    """(rows, verify step?) -> moving average of such a step's wall time."""
+    _clock: float = 0.0
+    _last: tuple[int, bool] | None = None
+
+    def _timed(self, rows: int) -> None:
+        """Time the step that ran since the last call (a step's wall time is the
+        time from one step to the next: a plain step's overlaps the next one's
+        graph building, a verify step waits for its results)."""
+        now = time.perf_counter()
+        last, self._last = self._last, None
+        if last is not None and last[0] == rows and now - self._clock < _STEP_TIMEOUT:
+            seen = self.step_seconds.get(last)
+            took = now - self._clock
+            self.step_seconds[last] = took if seen is None else seen + (took - seen) / 4
+        self._clock = now
+
+    def needed(self, rows: int) -> float:
+        """Tokens a verify step of ``rows`` rows must accept (on average) to pay
+        for itself: its time over a plain step's, minus the one token a plain
+        step gives.  0 until both have been timed."""
+        plain = self.step_seconds.get((rows, False))
+        verify = self.step_seconds.get((rows, True))
+        if not plain or not verify:
+            return 0.0
+        return max(verify / plain - 1.0, 0.0)
 
     def retain(self, uids: Iterable[int]) -> None:
         live = set(uids)
         self.proposer.retain(live)
-        for d in (self.misses, self.resting):
+        for d in (self.misses, self.resting, self.gain):
             for uid in [u for u in d if u not in live]:
                 del d[uid]
 
-    def _rest(self, uid: int, accepted: int) -> None:
-        """Back off a row whose guesses miss: after ``m`` verify steps in a row
-        that accepted nothing, it proposes nothing for ``2**m - 1`` steps (at
-        most ``MAX_REST``), which run as plain steps when no row proposes.  A
-        verify step costs more than a plain one, so text that the proposer
-        cannot guess (most chat) must not pay for one every step."""
-        if accepted:
+    def _rest(self, uid: int, accepted: int, needed: float) -> None:
+        """Back off a row whose guesses do not pay: after ``m`` verify steps in
+        a row that missed, it proposes nothing for ``2**m - 1`` steps (at most
+        ``MAX_REST``), which run as plain steps when no row proposes.  A verify
+        step costs more than a plain one, so text that the proposer cannot
+        guess (most chat) must not pay for one every step.  A step misses when
+        it accepted nothing, or when the row's moving average of accepted tokens
+        is at most what a verify step must accept to pay for itself
+        (:meth:`needed`, from the steps' measured times)."""
+        seen = self.gain.get(uid)
+        avg = self.gain[uid] = accepted if seen is None else (seen + accepted) / 2
+        if accepted and avg > needed:
             self.misses.pop(uid, None)
             return
         m = self.misses.get(uid, 0) + 1
@@ -286,6 +324,8 @@ class Speculation:
     def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
         """One verify step of ``batch`` (its responses), or None: a plain step is due."""
         n = len(batch.uids)
+        self._timed(n)
+        self._last = (n, False)  # until a verify step runs
         cap = min(self.tokens, verify_rows() // max(n, 1) - 1)
         if n == 0 or n > self.max_batch or cap < 1:
             return None
@@ -296,20 +336,21 @@ class Speculation:
         eligible = [_kind(s, batch.fallback_sampler) is not None for s in samplers]
         if not any(eligible):
             return None
+        # the rows that propose this step; with none, the plain step runs without
+        # waiting here for the step in flight (reading the current tokens would)
+        room = [min(cap, batch.max_tokens[i] - batch._num_tokens[i] - 1) for i in range(n)]
+        asking = [i for i in range(n) if eligible[i] and not self._resting(batch.uids[i]) and room[i] > 0]
+        if not asking:
+            return None
         inputs: mx.array = batch._next_tokens
         mx.eval(inputs)
         current: list[int] = inputs.tolist()  # type: ignore[assignment]  # 1-D: a list of ints
-        proposals: list[list[int]] = []
-        for i in range(n):
-            guess: list[int] = []
-            if eligible[i] and not self._resting(batch.uids[i]):
-                room = batch.max_tokens[i] - batch._num_tokens[i] - 1
-                k = min(cap, room)
-                if k > 0:
-                    guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], k)[:k]
-                    if guess and procs[i]:
-                        guess = self._allowed(batch, i, inputs, guess)
-            proposals.append(guess)
+        proposals: list[list[int]] = [[] for _ in range(n)]
+        for i in asking:
+            guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], room[i])[:room[i]]
+            if guess and procs[i]:
+                guess = self._allowed(batch, i, inputs, guess)
+            proposals[i] = guess
         width = max(len(p) for p in proposals)
         if width == 0:
             return None
@@ -399,6 +440,7 @@ class Speculation:
             surplus.append(width - a)
             self._accepted(batch, i, guess, a)
         self.steps += 1
+        self._last = (len(proposals), True)
         _drop_surplus(batch.prompt_cache, surplus)
         for seq, toks in zip(batch.tokens, emitted, strict=True):
             seq.extend(toks)
@@ -445,7 +487,7 @@ class Speculation:
         the proposer, and its processors' state (their contexts take the
         accepted tokens; a stateful one forgets the rest)."""
         uid = batch.uids[i]
-        self._rest(uid, a)
+        self._rest(uid, a, self.needed(len(batch.uids)))
         self.proposer.accepted(uid, len(batch.tokens[i]) + 1, len(guess), a)
         counts = self.by_uid.setdefault(uid, [0, 0])
         counts[0] += len(guess)

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from afm_core._engine.engine import Engine, open_engine
-from afm_core._mlx.speculative import lookup
+from afm_core._mlx.speculative import MAX_REST, PromptLookup, Speculation, lookup
 from afm_core._stream.events import Finish, Profile
 from afm_core._stream.request import ChatRequest
 from afm_core.testing import make_echo_model, make_random_model
@@ -64,6 +64,33 @@ def test_lookup_proposes_what_followed_the_suffix() -> None:
     assert lookup([7, 1, 2, 8, 1, 2, 3, 7, 1, 2], 1) == [8]
     # a match with k tokens after it beats a later one with fewer
     assert lookup([4] * 6, 3) == [4, 4, 4]
+
+
+def test_a_row_rests_while_its_guesses_do_not_pay_for_the_verify_step(monkeypatch) -> None:
+    spec = Speculation(PromptLookup(), tokens=3, max_batch=1)
+    assert spec.needed(1) == 0.0  # nothing timed: any accepted token pays
+    spec._rest(7, 1, spec.needed(1))
+    assert 7 not in spec.resting
+    # a verify step measured at 2.5 plain steps must accept more than 1.5 tokens
+    clock = iter([0.0, 0.010, 0.035, 0.045])  # plain step, verify step, then the next call
+    monkeypatch.setattr("afm_core._mlx.speculative.time.perf_counter", lambda: next(clock))
+    spec._timed(1)
+    spec._last = (1, False)
+    spec._timed(1)
+    spec._last = (1, True)
+    spec._timed(1)
+    assert spec.needed(1) == pytest.approx(1.5)
+    assert spec.needed(2) == 0.0  # another batch width is timed apart
+    spec.gain.clear()
+    spec._rest(7, 1, spec.needed(1))  # one token a step does not pay
+    assert spec.resting[7] == 1
+    spec._rest(7, 1, spec.needed(1))
+    assert spec.resting[7] == 3  # backs off further, up to MAX_REST
+    spec._rest(7, 3, spec.needed(1))  # average (1 + 3) / 2 = 2 > 1.5: pays again
+    assert 7 not in spec.misses
+    spec.retain([])
+    assert not spec.gain and not spec.resting and not spec.misses
+    assert MAX_REST >= 3
 
 
 @pytest.mark.parametrize("model", ["random", "echo"])
