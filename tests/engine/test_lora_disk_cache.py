@@ -102,6 +102,10 @@ async def test_adapted_entries_with_kv_bits(kv_model_dir: Path, tmp_path_factory
     async with open_engine(random_model_dir, cache_dir=tmp_path, kv_bits=8, adapters=served) as second:
         toks, usage, profile = await run(second, prompt, adapters="fox")
         assert toks == want and profile["prefix_tier"] == "disk" and usage.cached_tokens == len(prompt) - 1
+        # read once, it moved into the memory tier under fox's key: served from there next
+        toks, _, profile = await run(second, prompt, adapters="fox")
+        assert toks == want and profile["prefix_tier"] == "memory"
+        assert (await run(second, prompt))[2]["prefix_tier"] is None  # (not the base model's)
     async with open_engine(random_model_dir, cache_dir=tmp_path, adapters=served) as floats:
         # a float KV cache: the quantized entry is another format's
         assert floats.statistics().prefix_cache_disk_entries == 0
