@@ -179,8 +179,9 @@ class EngineConfig:
     ``base:name``) and the others run without.  Requests on different
     adapters decode in the same batch: each targeted layer adds each row's
     own adapter's update (``afm_core._mlx.lora``); a prefix-cache entry
-    serves only requests on its own adapter (the disk tier keeps the
-    base model's only).  Names may not hold ``:``.  Not with ``distributed``."""
+    serves only requests on its own adapter (on disk too: entries are keyed
+    by a digest of the adapter's files, so a restart with other weights under
+    the same name never reads the old ones).  Names may not hold ``:``.  Not with ``distributed``."""
 
     prompt_lookup: int = 0
     """Speculative decoding by prompt lookup: when the last tokens of a

@@ -45,8 +45,10 @@ the generator (``insert_one(adapter=...)``; :mod:`afm_core._mlx.lora`), so
 rows on different adapters decode in the same batch.  What a row computed
 under one adapter never serves another: the memory tier's entries are keyed
 by adapter (``_cache_key``), a job parks only on a leader with the same
-adapter (``_share_key``), and the disk tier reads and writes the base
-model's caches only.
+adapter (``_share_key``), and the disk tier keys its entries by the
+adapter's content (``lora.adapter_fingerprint``): an adapted conversation
+survives eviction and restart as a base one does, and never serves another
+adapter, the base model, or other weights under the same name.
 
 **A quantized KV cache** (``kv_bits``): every row starts on a quantized
 cache (``EngineBatchGenerator.new_cache``), so the batch, both tiers' entries
@@ -288,7 +290,8 @@ class Worker:
             from .._mlx.disk_cache import DiskPromptCache, model_fingerprint
 
             self.disk = DiskPromptCache(self.cache_dir, self.cache_disk_bytes, model_fingerprint(self.model_key, self.kv_format),
-                                        wake=self._wake)
+                                        wake=self._wake,
+                                        adapters=self.adapters.fingerprints if self.adapters is not None else ())
         self.samplers: SamplerCache = SamplerCache()
         self.eos = set(eos)
         if self.adapters is not None:
@@ -526,16 +529,16 @@ class Worker:
         from .._mlx.prefix_cache import memory_served
 
         disk = self.disk
-        if disk is None or job.adapter:  # the disk tier holds the base model's caches only
+        if disk is None:
             return False
         prompt = job.prompt
-        match = disk.nearest(prompt)
+        match = disk.nearest(prompt, job.adapter)  # (entries computed under the job's adapter only)
         if match is None:
             return False
         served = min(match.served, len(prompt) - 1)
         in_memory = 0
         if self.prefix_cache_bytes > 0:
-            in_memory = min(memory_served(self.prefix_cache, self.model_key, prompt), len(prompt) - 1)
+            in_memory = min(memory_served(self.prefix_cache, self._cache_key(job.adapter), prompt), len(prompt) - 1)
         gain = served - in_memory
         if gain <= 0 or gain * _DISK_GAIN < len(match.entry.tokens):
             return False
@@ -557,7 +560,7 @@ class Worker:
             promoted = cache is not None and self.prefix_cache_bytes > 0
             if promoted:
                 assert cache is not None
-                self.prefix_cache.insert_cache(self.model_key, list(loaded.entry.tokens), cache)
+                self.prefix_cache.insert_cache(self._cache_key(loaded.entry.adapter), list(loaded.entry.tokens), cache)
                 self._trim_memory()
             for n, (job, match) in enumerate(waiting):
                 mine = None
@@ -573,7 +576,7 @@ class Worker:
         prompt = job.prompt
         try:
             if cache is None:
-                cache, rest = self._fetch_memory(prompt)
+                cache, rest = self._fetch_memory(prompt, self._cache_key(job.adapter))
                 tier = "memory"
             else:
                 keep = min(match.served, len(prompt) - 1)  # one prompt token is always computed
@@ -909,11 +912,11 @@ class Worker:
         if self.prefix_cache_bytes > 0:
             self.prefix_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)
             self._trim_memory()
-        if self.disk is not None and not adapter:
+        if self.disk is not None:
             # written by the disk tier's I/O thread once that evaluation is done
             from mlx_lm.models.cache import can_trim_prompt_cache
 
-            self.disk.save(list(tokens), cache, can_trim_prompt_cache(cache))
+            self.disk.save(list(tokens), cache, can_trim_prompt_cache(cache), adapter)
 
     def _trim_memory(self) -> None:
         """Evict from the memory tier down to its budget (the running batch's caches count)."""

@@ -30,6 +30,13 @@ so no file operation runs between two decode steps.
   alone and not counted; a truncated or unreadable entry file is deleted;
   the order of use is the files' modification times (a hit touches its file).
   Temporary files of writes a killed process left are deleted.
+* **LoRA adapters**: an entry computed under adapter ``i`` (1-based, the
+  engine's index) carries :func:`adapted_fingerprint` of the model's and
+  the adapter's (a digest of its files' bytes, ``lora.adapter_fingerprint``),
+  and is indexed under ``i``: a lookup for adapter ``i`` sees only those, the
+  base model's (index 0) keep the model's own fingerprint.  A restart with
+  other weights under the same name has another fingerprint: the old entries
+  are another model's to it.
 
 One directory should belong to one server process at a time: two processes
 each evict by their own index (a file the other deletes is then a miss
@@ -47,7 +54,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,13 +69,13 @@ from .cache_file import (
 )
 from .prefix_cache import PrefixTrie, served_prefix
 
-__all__ = ["DiskEntry", "DiskMatch", "DiskPromptCache", "DiskStats", "Loaded", "model_fingerprint"]
+__all__ = ["DiskEntry", "DiskMatch", "DiskPromptCache", "DiskStats", "Loaded", "adapted_fingerprint",
+           "model_fingerprint"]
 
 log = logging.getLogger("afm.engine")
 
 _PREFIX = "afmkv-"
 _SUFFIX = ".safetensors"
-_KEY = "disk"  # the trie's model key: the index holds one model's entries
 _MAX_PENDING_WRITE_BYTES = 1 << 30
 """Bytes of arrays waiting to be written at most; beyond, the oldest pending
 write is dropped (the disk is slower than requests finish)."""
@@ -96,14 +103,23 @@ def model_fingerprint(model_key: str, kv_format: str = "") -> str:
     return h.hexdigest()[:32]
 
 
+def adapted_fingerprint(model: str, adapter: str) -> str:
+    """The fingerprint of caches computed by the model ``model`` (its
+    :func:`model_fingerprint`) under the adapter ``adapter`` (its content's
+    fingerprint)."""
+    return hashlib.sha256(f"{model}\nadapter:{adapter}".encode()).hexdigest()[:32]
+
+
 @dataclass(eq=False)
 class DiskEntry:
-    """One entry in the index."""
+    """One entry in the index (``adapter``: the index of the adapter it was
+    computed under, 0 for none; the trie's key)."""
 
     name: str
     tokens: tuple[int, ...]
     nbytes: int
     trimmable: bool
+    adapter: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +167,7 @@ class _Write:
     classes: list[str]
     scalars: list[Any]
     nbytes: int
+    adapter: int = 0
 
 
 @dataclass
@@ -178,11 +195,15 @@ class DiskPromptCache:
     worker then calls :meth:`poll`)."""
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, fingerprint: str,
-                 wake: Callable[[], None] = lambda: None):
+                 wake: Callable[[], None] = lambda: None, adapters: Sequence[str] = ()):
+        """``adapters``: the content fingerprints of the adapters the engine
+        serves, in index order (from 1); their entries are kept too."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max(int(max_bytes), 0)
         self.fingerprint = fingerprint
+        self._models = [fingerprint, *(adapted_fingerprint(fingerprint, a) for a in adapters)]
+        self._adapter_of = {m: i for i, m in enumerate(self._models)}
         self.wake = wake
         self.stats = DiskStats()
         self._trie = PrefixTrie()
@@ -198,8 +219,8 @@ class DiskPromptCache:
 
     # -- the index ------------------------------------------------------------------
 
-    def _name(self, tokens: tuple[int, ...]) -> str:
-        h = hashlib.sha256(self.fingerprint.encode())
+    def _name(self, tokens: tuple[int, ...], adapter: int = 0) -> str:
+        h = hashlib.sha256(self._models[adapter].encode())
         h.update(json.dumps(list(tokens)).encode())
         return f"{_PREFIX}{h.hexdigest()[:40]}{_SUFFIX}"
 
@@ -226,9 +247,10 @@ class DiskPromptCache:
                 continue
             except OSError:
                 continue
-            if head.model != self.fingerprint:
-                continue  # another model's
-            found.append((mtime, DiskEntry(name, head.tokens, head.size, head.trimmable)))
+            adapter = self._adapter_of.get(head.model)
+            if adapter is None:
+                continue  # another model's (or adapter's)
+            found.append((mtime, DiskEntry(name, head.tokens, head.size, head.trimmable, adapter)))
         for _, entry in sorted(found, key=lambda item: item[0]):
             self._index(entry)
         self._evict()
@@ -236,9 +258,9 @@ class DiskPromptCache:
     def _index(self, entry: DiskEntry) -> None:
         old = self._lru.pop(entry.name, None)
         if old is not None:  # the file was written again (its tokens: the same, unless it was altered)
-            self._trie.pop(_KEY, list(old.tokens))
+            self._trie.pop(old.adapter, list(old.tokens))
             self.stats.bytes -= old.nbytes
-        self._trie.add(_KEY, list(entry.tokens), entry)
+        self._trie.add(entry.adapter, list(entry.tokens), entry)
         self._lru[entry.name] = entry
         self.stats.bytes += entry.nbytes
         self.stats.entries = len(self._lru)
@@ -248,7 +270,7 @@ class DiskPromptCache:
             return False
         del self._lru[entry.name]
         if in_trie:
-            self._trie.pop(_KEY, list(entry.tokens))
+            self._trie.pop(entry.adapter, list(entry.tokens))
         self.stats.bytes -= entry.nbytes
         self.stats.entries = len(self._lru)
         return True
@@ -266,10 +288,13 @@ class DiskPromptCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def nearest(self, tokens: list[int]) -> DiskMatch | None:
-        """The entry that would serve the most of ``tokens`` (the memory
-        tier's rules: :func:`~.prefix_cache.served_prefix`), or None."""
-        found = served_prefix(self._trie, _KEY, tokens, lambda e: e.trimmable)
+    def nearest(self, tokens: list[int], adapter: int = 0) -> DiskMatch | None:
+        """The entry computed under ``adapter`` that would serve the most of
+        ``tokens`` (the memory tier's rules:
+        :func:`~.prefix_cache.served_prefix`), or None."""
+        if not 0 <= adapter < len(self._models):
+            return None
+        found = served_prefix(self._trie, adapter, tokens, lambda e: e.trimmable)
         if found is None:
             return None
         entry, served = found
@@ -289,20 +314,24 @@ class DiskPromptCache:
             self._io.ready.notify()
         return True
 
-    def save(self, tokens: list[int], cache: list[Any], trimmable: bool) -> None:
-        """Write ``cache`` (of ``tokens``; evaluated, or being evaluated with
-        ``mx.async_eval``) to disk, in the background."""
+    def save(self, tokens: list[int], cache: list[Any], trimmable: bool, adapter: int = 0) -> None:
+        """Write ``cache`` (of ``tokens``, computed under ``adapter``; evaluated,
+        or being evaluated with ``mx.async_eval``) to disk, in the background."""
         key = tuple(tokens)
+        if not 0 <= adapter < len(self._models):
+            self.stats.dropped_writes += 1
+            return
         arrays, classes, scalars = encode_cache(cache)
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
         if nbytes > self.max_bytes:
             self.stats.dropped_writes += 1
             return
-        write = _Write(self._name(key), key, trimmable, arrays, classes, scalars, nbytes)
+        write = _Write(self._name(key, adapter), key, trimmable, arrays, classes, scalars, nbytes, adapter)
         with self._io.lock:
             pending = self._io.writes
             if trimmable:  # a longer entry covers the pending writes of its prefixes
-                kept = [w for w in pending if not (len(w.tokens) < len(key) and key[:len(w.tokens)] == w.tokens)]
+                kept = [w for w in pending if not (w.adapter == adapter and len(w.tokens) < len(key)
+                                                   and key[:len(w.tokens)] == w.tokens)]
                 self.stats.dropped_writes += len(pending) - len(kept)
                 pending.clear()
                 pending.extend(kept)
@@ -340,10 +369,10 @@ class DiskPromptCache:
             self._session.add(write.name)
         self.stats.writes += 1
         self.stats.written_bytes += result
-        entry = DiskEntry(write.name, write.tokens, result, write.trimmable)
+        entry = DiskEntry(write.name, write.tokens, result, write.trimmable, write.adapter)
         self._index(entry)
         if write.trimmable:  # as the memory tier: the prefixes it covers go
-            for _, covered in self._trie.pop_prefixes(_KEY, list(write.tokens)):
+            for _, covered in self._trie.pop_prefixes(write.adapter, list(write.tokens)):
                 self._delete(covered, in_trie=False)
         self._evict()
 
@@ -358,7 +387,7 @@ class DiskPromptCache:
             self._delete(entry)
             return Loaded(entry, None)
         head, arrays, classes, scalars = result
-        if head.model != self.fingerprint or head.tokens != entry.tokens:
+        if head.model != self._models[entry.adapter] or head.tokens != entry.tokens:
             # replaced by another file of the same name? (another process): not this entry
             self._delete(entry)
             return Loaded(entry, None)
@@ -443,7 +472,7 @@ class DiskPromptCache:
                     with contextlib.suppress(OSError):
                         os.utime(self.dir / work.name)  # its last use, for the order after a restart
                 elif kind == "write":
-                    fields = {"model": self.fingerprint, "tokens": json.dumps(list(work.tokens)),
+                    fields = {"model": self._models[work.adapter], "tokens": json.dumps(list(work.tokens)),
                               "trimmable": "1" if work.trimmable else "0"}
                     result = write_entry(self.dir / work.name, work.arrays, work.classes, work.scalars, fields)
                     work.arrays = {}  # the arrays may go now

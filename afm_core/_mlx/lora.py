@@ -42,6 +42,7 @@ change the base layer itself).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["AdaptedLinear", "AdapterRows", "attach_adapters", "detach_adapters", "read_adapter"]
+__all__ = ["AdaptedLinear", "AdapterRows", "adapter_fingerprint", "attach_adapters", "detach_adapters", "read_adapter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,21 @@ def read_adapter(path: str | Path) -> AdapterWeights:
     return AdapterWeights(scale, layers)
 
 
+def adapter_fingerprint(path: str | Path) -> str:
+    """What an adapter *is*, for the prefix cache's disk tier: a digest of
+    its ``adapter_config.json`` and ``adapters.safetensors`` bytes (not its
+    name or path), so a server restarted with other weights under the same
+    name never reads the caches the old ones computed."""
+    root = Path(path).expanduser()
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        h.update(f"\n{name}\n".encode())
+        with open(root / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:32]
+
+
 class AdapterRows:
     """Which adapter each row of the next forward pass uses (see the module docstring).
 
@@ -104,10 +120,14 @@ class AdapterRows:
     from it use none).  ``current`` is what the wrapped layers read: None (no
     adapter), an index (every row on that one), or an array of one index per
     row (0: none); with an array, ``row_scales`` holds each row's adapter
-    scale (0 for none), shaped to broadcast over a layer's output."""
+    scale (0 for none), shaped to broadcast over a layer's output.
+    ``fingerprints`` are the adapters' :func:`adapter_fingerprint` (in index
+    order, from 1), which key their entries in the disk tier."""
 
-    def __init__(self, names: Sequence[str], scales: Sequence[float] = ()) -> None:
+    def __init__(self, names: Sequence[str], scales: Sequence[float] = (),
+                 fingerprints: Sequence[str] = ()) -> None:
         self.names = tuple(names)
+        self.fingerprints = tuple(fingerprints)
         self.scales = mx.array([0.0, *(scales or [1.0] * len(self.names))], dtype=mx.float32)
         self.of: dict[int, int] = {}
         self.current: int | mx.array | None = None
@@ -226,7 +246,8 @@ def attach_adapters(model: nn.Module, adapters: Sequence[tuple[str, str | Path]]
     read = [(name, read_adapter(path)) for name, path in adapters]
     modules = dict(model.named_modules())
     targets = sorted({layer for _, w in read for layer in w.layers})
-    rows = AdapterRows([name for name, _ in read], [w.scale for _, w in read])
+    rows = AdapterRows([name for name, _ in read], [w.scale for _, w in read],
+                       [adapter_fingerprint(path) for _, path in adapters])
     for path in targets:
         layer = modules.get(path)
         dims = _dims(layer)

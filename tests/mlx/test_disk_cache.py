@@ -190,6 +190,38 @@ def test_the_index_matches_as_the_memory_tier_and_survives_a_restart(tmp_path: P
         other.close()
 
 
+def test_adapted_entries_are_keyed_by_the_adapters_content(tmp_path: Path) -> None:
+    disk = DiskPromptCache(tmp_path, 1 << 30, "fp", adapters=["fox weights", "zebra weights"])
+    try:
+        saved(disk, [1, 2, 3, 4])  # the base model's
+        before = disk.stats.writes
+        cache = [kv(4, seed=1)]
+        mx.eval([c.state for c in cache])
+        disk.save([1, 2, 3, 4], cache, trimmable=True, adapter=1)  # the same tokens under adapter 1
+        poll_until(disk, lambda _: disk.stats.writes > before)
+        assert len(disk) == 2
+        for adapter, seed in ((0, 0), (1, 1)):
+            m = disk.nearest([1, 2, 3, 4], adapter)
+            assert m is not None and m.entry.adapter == adapter and disk.load(m.entry)
+            (loaded,) = poll_until(disk, lambda got: got)
+            assert loaded.cache is not None and same_state(loaded.cache[0].state[:2], kv(4, seed=seed).state[:2])
+        assert disk.nearest([1, 2, 3, 4], 2) is None and disk.nearest([1, 2, 3, 4], 7) is None
+    finally:
+        disk.close()
+    # a restart: the same content under other indices is found; other content is another model's
+    cases = {("zebra weights", "fox weights"): 2, ("fox weights",): 1, ("other weights",): 0, (): 0}
+    for adapters, index in cases.items():
+        again = DiskPromptCache(tmp_path, 1 << 30, "fp", adapters=adapters)
+        try:
+            assert len(again) == (2 if index else 1)
+            assert again.nearest([1, 2, 3, 4]) is not None  # the base model's keeps its fingerprint
+            m = again.nearest([1, 2, 3, 4], index) if index else None
+            assert (m is not None and m.entry.adapter == index) if index else all(
+                again.nearest([1, 2, 3, 4], i) is None for i in range(1, len(adapters) + 1))
+        finally:
+            again.close()
+
+
 def test_the_budget_and_the_order_of_use(tmp_path: Path) -> None:
     disk = DiskPromptCache(tmp_path, 1 << 30, "fp")
     saved(disk, [1] * 50)
