@@ -12,10 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import trio
 
 from afm_core import open_engine
+from afm_core._engine.engine import Engine
 from afm_core.testing import make_lora_adapter, make_random_model
 from tests.engine.test_disk_cache import files, prompt_ids, run, written
+from tests.engine.test_engine import settled
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,16 @@ def dirs(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     config["lora_parameters"]["scale"] = 5.0
     (altered / "adapter_config.json").write_text(json.dumps(config))
     return {"fox": fox, "zebra": zebra, "altered": altered}
+
+
+async def stored(engine: Engine, n: int) -> None:
+    """Wait until the disk tier indexes ``n`` entries.  (Its write count is no
+    measure here: a disk hit's request saves its cache again, a rewrite of the
+    same entry that may land before or after the next request's write.)"""
+    with trio.fail_after(30):
+        while engine.statistics().prefix_cache_disk_entries < n:
+            await trio.sleep(0.005)
+    await settled(engine)
 
 
 def pairs(**named: Path) -> tuple[tuple[str, str], ...]:
@@ -60,7 +73,7 @@ async def test_adapted_entries_on_disk(random_model_dir: Path, dirs: dict[str, P
         for n, name in enumerate(("zebra", None), start=2):
             toks, usage, profile = await run(first, prompt, **adapter(name))
             assert toks == want[name] and profile["prefix_tier"] is None and usage.cached_tokens == 0, name
-            await written(first, n)
+            await stored(first, n)
         s = first.statistics()
         assert (s.prefix_cache_disk_hits, s.prefix_cache_disk_entries) == (1, 3)
     assert len(files(tmp_path)) == 3
