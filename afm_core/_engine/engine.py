@@ -343,6 +343,7 @@ class Engine:
             from . import distributed as _distributed
 
             nonlocal startup
+            model = draft = None
             try:
                 # the whole model, or (EngineConfig.distributed) rank 0's shard of it
                 model, tokenizer, info = _distributed.load(path, self.config.distributed)
@@ -355,7 +356,6 @@ class Engine:
                     try:
                         adapters = attach_adapters(model, self.config.adapters)
                     except (ValueError, OSError) as exc:
-                        unfuse_cpu_kernels(model)  # (the model's modules are shared patches)
                         raise ModelLoadError(f"could not load the adapters: {exc}") from exc
                 draft = _load_draft(self.config.draft_model, tokenizer, self.config.cpu_fusion) \
                     if self.config.draft_model is not None and self.config.spec_max_batch else None
@@ -373,6 +373,14 @@ class Engine:
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
             except BaseException as exc:  # noqa: BLE001 - reported to run()
+                # undo the CPU rewrite of what was loaded: the decode attention's
+                # name is patched module-wide, counted per model using it
+                from .._mlx.lora import detach_adapters
+
+                for loaded in (model, draft):
+                    if loaded is not None:
+                        detach_adapters(loaded)  # (none attached: nothing to do)
+                        unfuse_cpu_kernels(loaded)
                 startup = StartFailed(exc)
                 token.run_sync_soon(ready.set)
                 return
