@@ -71,26 +71,7 @@ struct Args {
 // e^(score - m)), then Dv sums of e^(score - m) V[s].  Floats per record:
 inline int record_size(const Args& a) { return a.Dv + 2; }
 
-// e^x for x <= 0 to about 2 ulp (the exponential of attention_kernels.cpp):
-// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n put in
-// the exponent.
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline float exp_nonpositive(float x) {
-  if (x < -87.0f) return 0.0f;
-  const float n = std::nearbyint(x * kLog2e);
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = kP[0];
-  for (int i = 1; i < 6; ++i) p = p * r + kP[i];
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
+#include "fast_exp.inc"
 
 float* scratch(size_t n) {
   thread_local std::vector<float> buf;
@@ -189,26 +170,7 @@ void part_portable(const Args& a, int b, int kh, int p0, int p1, float* rec) {
 #pragma GCC target("avx2,fma")
 #endif
 
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-  return _mm256_andnot_ps(under, p);
-}
+#include "fast_exp_avx2.inc"
 
 float exp_row_avx2(float* p, int n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
