@@ -103,29 +103,6 @@ void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* ac
 
 #include "fast_exp_avx2.inc"
 
-// The sum of the exponentials goes by lanes of s % 8, the last partial block
-// padded with -inf (exponential 0): a row and the same row followed by masked
-// positions (exponential 0) then sum to the same bits.
-float exp_row_avx2(float* p, int n, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 tot = _mm256_setzero_ps();
-  int s = 0;
-  for (; s + 8 <= n; s += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv));
-    _mm256_storeu_ps(p + s, e);
-    tot = _mm256_add_ps(tot, e);
-  }
-  if (s < n) {
-    alignas(32) float tail[8];
-    for (int j = 0; j < 8; ++j) tail[j] = s + j < n ? p[s + j] : -std::numeric_limits<float>::infinity();
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv));
-    _mm256_store_ps(tail, e);
-    for (int j = 0; s + j < n; ++j) p[s + j] = tail[j];
-    tot = _mm256_add_ps(tot, e);
-  }
-  return hsum8(tot);
-}
-
 // The horizontal sums of d[0..8) as one vector, lane t the sum of d[t]:
 // ((d0 + d1) + (d2 + d3)) + ((d4 + d5) + (d6 + d7)) over d[t]'s lanes, the
 // same order for every lane, whatever the other vectors hold.

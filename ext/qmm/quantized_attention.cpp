@@ -172,20 +172,6 @@ void part_portable(const Args& a, int b, int kh, int p0, int p1, float* rec) {
 
 #include "fast_exp_avx2.inc"
 
-float exp_row_avx2(float* p, int n, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 tot = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv));
-    _mm256_storeu_ps(p + i, e);
-    tot = _mm256_add_ps(tot, e);
-  }
-  float total = hsum8(tot);
-  for (; i < n; ++i) total += (p[i] = exp_nonpositive(p[i] - m));
-  return total;
-}
-
 // Elements 8j .. 8j + 7 of a packed row (contiguous words) as integers.
 template <int Bits>
 inline __m256 ints8(const uint32_t* w, int j) {
