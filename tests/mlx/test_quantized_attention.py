@@ -180,9 +180,8 @@ def test_refuses_what_it_does_not_compute():
         qa(q, half, v, 1.0, None, 64, 8)
 
 
-@needs_ext
-def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
-    calls = []
+def _spy(calls, pick=lambda args: args):
+    """The extension, its ``quantized_decode_attention`` recording ``pick(args)`` of each call."""
     real = ext.quantized_decode_attention
 
     class Spy:
@@ -190,10 +189,16 @@ def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
             return getattr(ext, name)
 
         def quantized_decode_attention(self, *a):
-            calls.append(a)
+            calls.append(pick(a))
             return real(*a)
 
-    monkeypatch.setattr(_qmatmul, "_ext", Spy())
+    return Spy()
+
+
+@needs_ext
+def test_wrapper_takes_the_kernel_only_where_it_applies(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_qmatmul, "_ext", _spy(calls))
     sdpa = _attention.scaled_dot_product_attention
     k = _quantized(1, 2, 20, 64, bits=8, group=64, seed=0)
     v = _quantized(1, 2, 20, 64, bits=8, group=64, seed=1)
@@ -260,20 +265,10 @@ def test_model_greedy_tokens_and_logits_match_mlx_lm(tmp_path, bits):
     ref_tokens, ref = decode()
     assert _attention.use_decode_attention(model) == 1
     calls = []
-    real = ext.quantized_decode_attention
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(ext, name)
-
-        def quantized_decode_attention(self, *a):
-            calls.append(a[-1])
-            return real(*a)
-
     try:
         assert qwen3.scaled_dot_product_attention is _attention.scaled_dot_product_attention
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_qmatmul, "_ext", Spy())
+            mp.setattr(_qmatmul, "_ext", _spy(calls, lambda args: args[-1]))  # the bits
             tokens, got = decode()
     finally:
         _attention.restore_decode_attention(model)
