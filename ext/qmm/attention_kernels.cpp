@@ -220,13 +220,6 @@ void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
 #pragma GCC pop_options
 #endif
 
-bool has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
 #endif
 
 }  // namespace

@@ -329,13 +329,6 @@ void part_avx2_any(const Args& a, int b, int kh, int p0, int p1, float* rec) {
 #pragma GCC pop_options
 #endif
 
-bool has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
 #endif
 
 bool use_avx2(const Args& a) {
