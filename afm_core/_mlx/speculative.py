@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -331,9 +331,7 @@ class Speculation:
             return None
         if not all(type(c) in _TRIMMABLE for c in batch.prompt_cache):
             return None
-        samplers: list[Any] = batch.samplers or [None] * n
-        procs = batch.logits_processors or [[]] * n
-        eligible = [_kind(s, batch.fallback_sampler) is not None for s in samplers]
+        eligible = [_speculates(_sampler(batch, i)) for i in range(n)]
         if not any(eligible):
             return None
         # the rows that propose this step; with none, the plain step runs without
@@ -348,7 +346,7 @@ class Speculation:
         proposals: list[list[int]] = [[] for _ in range(n)]
         for i in asking:
             guess = self.proposer.propose(batch.uids[i], [*batch.tokens[i], current[i]], room[i])[:room[i]]
-            if guess and procs[i]:
+            if guess and _processors(batch, i):
                 guess = self._allowed(batch, i, inputs, guess)
             proposals[i] = guess
         width = max(len(p) for p in proposals)
@@ -362,7 +360,7 @@ class Speculation:
         cannot be advanced past it to mask the positions after it."""
         keep = len(guess)
         context = None
-        for p in (batch.logits_processors or [[]] * len(batch.uids))[i]:
+        for p in _processors(batch, i):
             check = getattr(p, "valid_prefix", None)
             if check is None:
                 continue
@@ -494,7 +492,7 @@ class Speculation:
         counts[1] += a
         self.proposed += len(guess)
         self.accepted += a
-        procs = batch.logits_processors[i] if batch.logits_processors else None
+        procs = _processors(batch, i)
         if procs:
             for p in procs:
                 undo = getattr(p, "rollback", None)
@@ -504,20 +502,22 @@ class Speculation:
                 batch._token_context[i].update_and_fetch(mx.array(guess[:a], dtype=mx.int32))
 
 
-def _kind(sampler: Any, fallback: Any) -> str | None:
-    """``greedy``, ``sampled`` (it exposes its distribution: see
-    ``afm_core._engine.sampling.FilteredSampler``) or None: it cannot speculate."""
-    s = fallback if sampler is None else sampler
-    if s is greedy_sampler:
-        return "greedy"
-    if callable(getattr(s, "distribution", None)) and callable(getattr(s, "keys", None)):
-        return "sampled"
-    return None
+def _speculates(sampler: Any) -> bool:
+    """Whether a row drawing with ``sampler`` can speculate: it is greedy, or
+    it exposes its distribution (``afm_core._engine.sampling.FilteredSampler``)."""
+    return sampler is greedy_sampler or (callable(getattr(sampler, "distribution", None))
+                                         and callable(getattr(sampler, "keys", None)))
 
 
 def _sampler(batch: EngineGenerationBatch, i: int) -> Any:
+    """Row ``i``'s sampler (the batch's fallback where it has none of its own)."""
     s = batch.samplers[i] if batch.samplers else None
     return batch.fallback_sampler if s is None else s
+
+
+def _processors(batch: EngineGenerationBatch, i: int) -> Sequence[Any]:
+    """Row ``i``'s logits processors (none: empty)."""
+    return (batch.logits_processors[i] if batch.logits_processors else None) or ()
 
 
 def _processed(batch: EngineGenerationBatch, i: int, logits: mx.array, first: mx.array,
@@ -525,7 +525,7 @@ def _processed(batch: EngineGenerationBatch, i: int, logits: mx.array, first: mx
     """Row ``i``'s logits at positions 0..len(guess), each through the row's
     processors fed the tokens before it (``first``: position 0, done)."""
     g = len(guess)
-    procs = batch.logits_processors[i] if batch.logits_processors else None
+    procs = _processors(batch, i)
     if not procs:
         return mx.concatenate([first[i : i + 1], logits[i, 1 : g + 1]], axis=0)
     before = batch._token_context[i].tokens  # through the current token
