@@ -148,16 +148,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, metavar="{4,8}",
                         help="quantize the KV cache to 8 or 4 bits per element from the first token "
                              "(mlx-lm's QuantizedKVCache, batched): 28%% (8) or 16%% (4) of float32's KV "
-                             "bytes per token, for slower decode steps and greedy output that can "
-                             "drift from float's; --cache-dir entries are kept per setting "
+                             "bytes per token, for greedy output that can drift from float's; "
+                             "--cache-dir entries are kept per setting "
                              "(not with --distributed; default: float)")
     engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, metavar="{32,64,128}",
                         help="elements per scale and bias of the quantized KV cache; must divide the "
                              "model's head size (default: 64)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
                         help="cap for requests without max_tokens (default: the rest of the context)")
-    spec = parser.add_argument_group("speculative decoding (greedy requests: temperature 0, no grammar, "
-                                     "penalties, logit_bias or logprobs; the same tokens, sooner)")
+    spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
+                                     "ones the same distribution; grammar, penalties, logit_bias and "
+                                     "logprobs apply at every checked position)")
     spec.add_argument("--prompt-lookup", type=_int_at_least(0), default=0, metavar="N",
                       help="propose up to N tokens per step from an earlier occurrence of the stream's last "
                            "tokens in its prompt or output, checked by one forward pass (0: off; default: 0)")

@@ -163,7 +163,8 @@ class EngineConfig:
     streams (and more prefix-cache entries) fit the same memory; attention
     then reads quantized keys and values (a small change in the logits: the
     greedy output may differ from float's after some tokens, more often with
-    4 bits), and on the CPU each decode step is slower.  Entries of the
+    4 bits); on the CPU its decode attention is one operation per layer
+    (``ext/qmm/quantized_attention.cpp``), about as fast as float's.  Entries of the
     prefix cache's disk tier are only served to an engine with the same
     setting.  A model with other than plain KV layers (sliding windows,
     recurrent state) cannot be quantized: the engine does not start.  Not
@@ -185,7 +186,7 @@ class EngineConfig:
 
     prompt_lookup: int = 0
     """Speculative decoding by prompt lookup: when the last tokens of a
-    stream (one not reading ``logprobs``) occurred earlier in its prompt or
+    stream occurred earlier in its prompt or
     output, the tokens that followed them there (at most this many) are
     checked by one forward pass of the model, and those it agrees with are
     emitted at once.  Greedy output is the same tokens; sampled output
