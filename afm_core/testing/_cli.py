@@ -1,4 +1,4 @@
-"""``afm testing make-model DIR [--echo] [--vocab-size N] [--layers N] [--hidden N]``."""
+"""``afm testing make-model DIR [--echo] [--vocab-size N] [--layers N] [--hidden N] [--visible-text]``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mk.add_argument("--kv-heads", type=int, default=2)
     mk.add_argument("--context-length", type=int, default=None)
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--visible-text", action="store_true",
+                    help="set the random weights so greedy output is printable text, "
+                         "not one repeated token (what afm bench generates)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
             num_kv_heads=args.kv_heads,
             context_length=args.context_length or 4096,
             seed=args.seed,
+            visible_text=args.visible_text,
         )
     print(path)
     return 0

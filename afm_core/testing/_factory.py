@@ -42,14 +42,23 @@ def make_random_model(
     intermediate_size: int | None = None,
     context_length: int = 4096,
     seed: int = 0,
+    visible_text: bool = False,
 ) -> Path:
-    """Write a random-weight qwen3 model to ``out`` and return the path."""
+    """Write a random-weight qwen3 model to ``out`` and return the path.
+
+    Greedy decoding of a random model soon repeats one token, usually a
+    newline.  With ``visible_text`` the embedding and an untied output head
+    are set so that each printable token mostly predicts its successor on a
+    fixed, seeded cycle of printable tokens (the layers' random weights bend
+    it into short loops): streams then carry visible text, as a real model's
+    do, which is what a benchmark of the serving path should detokenize,
+    frame and send."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
 
     out = Path(out)
-    _, ids, model_vocab = _common(out, vocab_size, context_length)
+    tok, ids, model_vocab = _common(out, vocab_size, context_length)
     if hidden_size % num_heads:
         raise ValueError("hidden_size must be a multiple of num_heads")
     config: dict[str, Any] = {
@@ -65,17 +74,50 @@ def make_random_model(
         "vocab_size": model_vocab,
         "max_position_embeddings": context_length,
         "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not visible_text,
         "torch_dtype": "float32",
         "eos_token_id": ids[EOS_TOKEN],
         "bos_token_id": None,
     }
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    if visible_text:
+        _walk_printable(model, tok, model_vocab, hidden_size, seed)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _printable(text: str) -> bool:
+    """Visible text that no parser reads as markup (no tag brackets, no
+    replacement character from a partial UTF-8 sequence)."""
+    return (bool(text.strip()) and text.isprintable() and "\ufffd" not in text
+            and "<" not in text and ">" not in text)
+
+
+def _walk_printable(model: Any, tok: Any, vocab: int, hidden: int, seed: int) -> None:
+    """Unit-length random embeddings (scaled to dominate the layers'
+    contributions) and an output head whose row for token ``s`` points at the
+    embedding of the token before ``s`` on a seeded cycle of printable tokens;
+    every other token predicts a cycle token too, spread over the cycle (so
+    that no head row sums many embeddings and wins everywhere)."""
+    import random
+
+    import mlx.core as mx
+    import numpy as np
+
+    cycle = [t for t in range(tok.get_vocab_size())
+             if _printable(tok.decode([t], skip_special_tokens=False))]
+    random.Random(seed).shuffle(cycle)
+    succ = np.asarray(cycle, dtype=np.int64)[np.arange(vocab) % len(cycle)]
+    succ[cycle] = np.roll(cycle, -1)
+    emb = np.random.default_rng(seed).standard_normal((vocab, hidden)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    head = np.zeros((vocab, hidden), dtype=np.float32)
+    np.add.at(head, succ, emb * 10.0)
+    model.model.embed_tokens.weight = mx.array(emb * 4.0)
+    model.lm_head.weight = mx.array(head)
 
 
 def _newline_fused(tok: Any) -> dict[str, list[int]]:

@@ -98,6 +98,29 @@ def test_random_model_options(tmp_path: Path) -> None:
     assert len(model.layers) == 3
 
 
+def test_visible_text_model_streams_printable_varied_text(tmp_path: Path) -> None:
+    """A plain random model's greedy output soon repeats one token (often a
+    newline); ``visible_text`` gives printable, varied text, the same for a
+    prompt alone and in a batch."""
+    from afm_core.testing import make_random_model
+
+    d = make_random_model(tmp_path / "vis", visible_text=True)
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
+    model, tok = mlx_lm.load(str(d))
+    prompts = [_prompt(tok, w) for w in ("hi", "Summarize the following notes. river cache", "x y z")]
+    texts = []
+    for p in prompts:
+        ids = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=48)]
+        text = tok.decode(ids)
+        assert len(ids) == 48 and text.strip() and text.isprintable(), repr(text)
+        assert len(set(ids)) >= 8, ids  # not one token repeated
+        assert "<" not in text and ">" not in text  # no markup a parser would read
+        texts.append(text)
+    batched = batch_generate(model, tok, prompts,
+                             max_tokens=48).texts
+    assert batched == texts
+
+
 def _echo_ids(model, tok, prompt) -> list[int]:
     ids = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=1000)]
     assert ids[-1] in tok.eos_token_ids
@@ -140,8 +163,8 @@ def test_echo_batch_of_prompts(echo) -> None:
 
 
 def test_cli_make_model(tmp_path: Path) -> None:
-    for extra in ([], ["--echo"]):
-        out = tmp_path / ("echo" if extra else "rand")
+    for extra in ([], ["--echo"], ["--visible-text"]):
+        out = tmp_path / (extra[0].strip("-") if extra else "rand")
         proc = subprocess.run(
             [sys.executable, "-m", "afm_core._cli", "testing", "make-model", str(out), *extra],
             capture_output=True, text=True, check=True,
