@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if generated:
         from afm_core.testing import make_random_model
 
-        model = str(make_random_model(out_dir / "tiny-model"))
+        model = str(make_random_model(out_dir / "tiny-model", visible_text=True))
     elif not (Path(model) / "config.json").is_file():
         print(f"afm bench: {model} is not a model directory (no config.json)", file=sys.stderr)
         return 2

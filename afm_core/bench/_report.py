@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._apis import slot_api, slot_target, split_target
+from ._apis import prompt_form, slot_api, slot_target, split_target
 from ._results import RunResult
 from ._stats import ratio
 
@@ -38,12 +38,18 @@ def _p(summary: dict[str, Any], metric: str, q: str = "p50") -> float | None:
     return None if value is None else float(value)
 
 
+def raw_of(kind: str, slot: str) -> str:
+    """The raw target (``kind`` raw or raw+kernels) that runs ``slot``'s
+    prompts in a run over several APIs: one per prompt form
+    (``ours[messages]`` -> ``raw[chat]``, ``ours[completions]`` -> ``raw[completions]``)."""
+    return slot_target(kind, prompt_form(slot_api(slot)))
+
+
 def baseline(target: str) -> str:
     """The raw target a target's figures are set against: ``raw``, or in a
-    run over several APIs the raw target of its slot (``ours[messages]`` ->
-    ``raw[messages]``)."""
+    run over several APIs the raw target of its slot's prompt form (``raw_of``)."""
     _, slot = split_target(target)
-    return RAW if slot is None else slot_target(RAW, slot)
+    return RAW if slot is None else raw_of(RAW, slot)
 
 
 def is_raw(target: str) -> bool:
@@ -116,7 +122,8 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
                 if OURS in by and other in by:
                     entry[pair] = _rounds_compare(by[OURS], by[other], tps[OURS], tps[other])
                 continue
-            pairs = {s: (slot_target(OURS, s), slot_target(other, s)) for s in slots}
+            pairs = {s: (slot_target(OURS, s), raw_of(other, s) if other == RAW_KERNELS
+                         else slot_target(other, s)) for s in slots}
             found = {s: _rounds_compare(by[a], by[b], tps[a], tps[b])
                      for s, (a, b) in pairs.items() if a in by and b in by}
             if found:
@@ -138,43 +145,67 @@ def reference_slot(slots: Sequence[str]) -> str:
 
 
 def _spread(values: list[float | None]) -> dict[str, Any]:
-    known = [v for v in values if v is not None]
+    known = sorted(v for v in values if v is not None)
+    quartiles = statistics.quantiles(known, n=4) if len(known) > 1 else known * 3
     return {"median": statistics.median(known) if known else None,
+            "q1": quartiles[0] if known else None, "q3": quartiles[2] if known else None,
             "min": min(known) if known else None, "max": max(known) if known else None,
             "by_round": values}
 
 
+def _pct_over(x: float | None, ref: float | None) -> float | None:
+    r = ratio(x, ref)
+    return None if r is None else (r - 1.0) * 100.0
+
+
 def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float | None]],
                    slots: Sequence[str]) -> dict[str, Any]:
-    """For each served kind and API slot at one level: the tokens/s ratio
-    to the slot's raw target round by round (``ratio``: median, min, max,
-    by_round), and each round's ratio over the reference slot's ratio in
-    the same round, minus 1, in % (``vs_reference_pct``; the A/A slot
-    ``chat#2`` shows how far two identical APIs drift apart)."""
+    """For each served kind and API slot at one level:
+
+    * ``ratio``: the tokens/s ratio to the slot's raw target round by round
+      (median, quartiles, min, max, by_round);
+    * ``vs_reference_pct``: each round's ratio over the reference slot's
+      ratio in the same round, minus 1, in % (the A/A slot ``chat#2`` shows
+      how far two identical APIs drift apart);
+    * ``pooled_ratio`` and ``pooled_vs_reference_pct``: the same over all
+      rounds' tokens and wall time together;
+    * ``server_cpu_ms_per_token`` / ``client_cpu_ms_per_token`` and their
+      ``..._vs_reference_pct``: the CPU time the server and the load
+      generator spent per output token, all rounds together (a cost that
+      the machine's load moves far less than wall time)."""
     ref = reference_slot(slots)
     out: dict[str, Any] = {"reference": ref}
     for kind in SERVED_KINDS:
         per_round: dict[str, dict[int, float | None]] = {}
         rows: dict[str, Any] = {}
         for slot in slots:
-            target, raw = slot_target(kind, slot), slot_target(RAW, slot)
-            if target not in by or raw not in by:
+            target = slot_target(kind, slot)
+            raw = raw_of(RAW, slot)
+            if target not in by or raw not in by or target == raw:
                 continue
             per_round[slot] = {r: ratio(tps[target][r], tps[raw].get(r)) for r in tps[target]}
+            s = by[target]
             rows[slot] = {"api": slot_api(slot), "target": target, "raw": raw,
                           "ratio": _spread(list(per_round[slot].values())),
-                          "ttft_p50_ms": _p(by[target], "ttft_ms"),
+                          "pooled_ratio": ratio(s.get("output_tokens_per_s"),
+                                                by[raw].get("output_tokens_per_s")),
+                          "server_cpu_ms_per_token": s.get("server_cpu_ms_per_token"),
+                          "client_cpu_ms_per_token": s.get("client_cpu_ms_per_token"),
+                          "ttft_p50_ms": _p(s, "ttft_ms"),
                           "raw_ttft_p50_ms": _p(by[raw], "ttft_ms")}
         if not rows:
             continue
         if ref in per_round:
-            base = per_round[ref]
+            base, ref_row = per_round[ref], rows[ref]
             for slot, row in rows.items():
                 if slot == ref:
                     continue
                 diffs = [None if (a := ratio(x, base.get(r))) is None else (a - 1.0) * 100.0
                          for r, x in per_round[slot].items()]
                 row["vs_reference_pct"] = _spread(diffs)
+                for key in ("pooled_ratio", "server_cpu_ms_per_token", "client_cpu_ms_per_token"):
+                    row[key.removesuffix("_ratio") + "_vs_reference_pct"] = _pct_over(
+                        row[key], ref_row[key])
         out[kind] = rows
     return out
 
@@ -263,7 +294,9 @@ def _pct(x: float | None) -> str:
 
 def format_api_comparison(report: dict[str, Any]) -> list[str]:
     """Per served kind, level and API: tok/s ÷ raw (median over the rounds
-    and its range) and the paired difference from the reference API's ratio."""
+    and its range), the paired difference from the reference API's ratio
+    (median and interquartile range), the pooled difference, and the
+    server's and client's CPU time per token (and their difference)."""
     lines: list[str] = []
     rounds = (report.get("config") or {}).get("rounds") or 1
     entries = [e for e in report["levels"] if e.get("api_comparison")]
@@ -273,19 +306,29 @@ def format_api_comparison(report: dict[str, Any]) -> list[str]:
         ref = entries[0]["api_comparison"]["reference"]
         lines.append(f"{kind} ÷ raw, tokens/s, by wire API: median of {rounds} round(s) [min-max]; "
                      f"vs {ref}: each round's ratio over {ref}'s in that round, -1 "
-                     "(median [min, max])")
+                     "(median [quartiles]); pooled: all rounds' tokens over their wall time; "
+                     "CPU: ms per output token, all rounds (vs ref)")
         cw = max(12, len(kind) + 6)
         head = (f"{'level':<11} {'API':<14} {kind + ' ÷ raw':>{cw}} {'range':>15} "
-                f"{'vs ' + ref:>10} {'range':>18} {'TTFT p50':>9} {'raw':>7}")
+                f"{'vs ' + ref:>10} {'quartiles':>18} {'pooled':>8} {'server CPU':>17} "
+                f"{'client CPU':>17} {'TTFT p50':>9} {'raw':>7}")
         lines += [head, "-" * len(head)]
         for entry in entries:
             for slot, row in (entry["api_comparison"].get(kind) or {}).items():
                 r, d = row["ratio"], row.get("vs_reference_pct")
                 span = f"[{_fmt(r['min'], '.3f')}-{_fmt(r['max'], '.3f')}]"
-                dspan = f"[{_pct(d['min'])}, {_pct(d['max'])}]" if d else ""
+                dspan = f"[{_pct(d['q1'])}, {_pct(d['q3'])}]" if d else ""
+
+                def cpu(key: str, row: dict[str, Any] = row) -> str:
+                    vs = row.get(key + "_vs_reference_pct")
+                    return (_fmt(row.get(key), ".3f")
+                            + (f" ({_pct(vs)})" if vs is not None else ""))
+
                 lines.append(
                     f"{entry['label']:<11} {slot:<14} {_fmt(r['median'], '.3f'):>{cw}} {span:>15} "
                     f"{_pct(d['median']) if d else '-':>10} {dspan:>18} "
+                    f"{_pct(row.get('pooled_vs_reference_pct')):>8} "
+                    f"{cpu('server_cpu_ms_per_token'):>17} {cpu('client_cpu_ms_per_token'):>17} "
                     f"{_fmt(row['ttft_p50_ms']):>9} {_fmt(row['raw_ttft_p50_ms']):>7}")
         lines.append("")
     return lines

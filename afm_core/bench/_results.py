@@ -46,6 +46,7 @@ class RunResult:
     requests: list[RequestResult]
     truncated: bool = False  # the level's time budget ran out
     client_cpu_s: float | None = None  # CPU the load generator's process used
+    server_cpu_s: float | None = None  # CPU the server's process used (where known)
     round: int = 0  # which run of this level (see BenchConfig.rounds)
 
     @property
@@ -57,10 +58,14 @@ class RunResult:
         """Several rounds of one level on one target as one run: their
         requests together over their summed wall time."""
         first = runs[0]
-        cpu = [r.client_cpu_s for r in runs]
+
+        def total(values: list[float | None]) -> float | None:
+            return None if None in values else math.fsum(v for v in values if v is not None)
+
         return cls(first.target, first.mode, first.level, math.fsum(r.duration for r in runs),
                    [q for r in runs for q in r.requests], truncated=any(r.truncated for r in runs),
-                   client_cpu_s=None if None in cpu else math.fsum(c for c in cpu if c is not None))
+                   client_cpu_s=total([r.client_cpu_s for r in runs]),
+                   server_cpu_s=total([r.server_cpu_s for r in runs]))
 
     def summary(self) -> dict[str, Any]:
         """The figures the report shows, as plain JSON-able values."""
@@ -86,6 +91,9 @@ class RunResult:
             "client_cpu_s": self.client_cpu_s,
             "client_cpu_share": (None if self.client_cpu_s is None
                                  else _finite(self.client_cpu_s / dur)),
+            "client_cpu_ms_per_token": _per_token(self.client_cpu_s, tokens),
+            "server_cpu_s": self.server_cpu_s,
+            "server_cpu_ms_per_token": _per_token(self.server_cpu_s, tokens),
             "requests": len(self.requests),
             "ok": len(ok),
             "errors": dict(sorted(errors.items())),
@@ -102,6 +110,10 @@ class RunResult:
                                      if r.error is not None and r.detail})[:10],
             "profile": profile_summary(self.requests),
         }
+
+
+def _per_token(cpu_s: float | None, tokens: int) -> float | None:
+    return None if cpu_s is None or tokens <= 0 else cpu_s * 1000.0 / tokens
 
 
 def _finite(x: float) -> float | None:

@@ -10,15 +10,21 @@ bounded by the level and total time budgets; servers started here are always
 stopped on the way out.
 
 With several wire APIs (``apis``, ``afm bench --api chat,messages,...``) each
-server is still started once, and each API *slot* (``_apis.slot_names``) is a
-target of its own on it (``ours[chat]``, ``ours[messages]``...); raw runs
-per slot too (``raw[messages]``: the same prompts in-process), on one loaded
-model per prompt form (chat template, or the completions prompt text raw).
-Every slot gets its own jobs (a server's prefix cache would otherwise serve
-one API's prompts to the next), the run is interleaved, slot by slot (raw
-then the servers, so each ratio's two sides run back to back), in
-alternating order each round: every API's ratio to raw is measured in the
-same time window.
+server is started once, and each API *slot* (``_apis.slot_names``) is a
+target of its own on it (``ours[chat]``, ``ours[messages]``...).  Every slot
+runs the same jobs, so two APIs differ only by the API: the servers' prompt
+caches are switched off for such a run (``--prefix-cache-bytes 0``, and
+``--prompt-cache-bytes 0`` for mlx_lm.server), else the second API to send a
+prompt would find it cached.  Raw runs once per prompt form
+(``_apis.prompt_form``: ``raw[chat]``, the chat template, is the baseline of
+chat, messages and responses; ``raw[completions]``, the text as it is, of
+completions), so the APIs that share a form share their raw figure too.
+Each round runs the raw targets, then the served slots in the order of a
+Williams design (``round_order``: over a few rounds every slot runs in every
+position and after every other slot equally often, so neither position nor
+what ran just before favours an API), the raw targets moving to the end of
+the round every other round.  A served level also measures the server
+process's CPU time (``server_cpu_s``, where the OS tells it).
 """
 
 from __future__ import annotations
@@ -102,37 +108,64 @@ class Level:
     schedule: tuple[float, ...] = ()
     round: int = 0
 
-    def first_for(self, slot: int) -> int:
-        """The first job of API slot number ``slot`` (0 in a one-API run)."""
-        return self.first_index + slot * self.n
 
 
 def plan(cfg: BenchConfig) -> tuple[Workload, list[Level], Level]:
     """The seeded workload, the levels (each level's rounds one after the
-    other) and the warm-up, on disjoint job ranges (so no server sees a
+    other) and the warm-up, on disjoint job ranges (so no target sees a
     prompt twice and prefix caches only ever share the chat template's
-    header).  With several API slots a level's range holds ``n`` jobs per
-    slot: slot ``k`` runs ``first_index + k * n`` onwards (``Level.first_for``)."""
+    header).  Every API slot of a run over several APIs runs its level's
+    range (the servers' prompt caches are off in such a run)."""
     if cfg.rounds < 1:
         raise ValueError("rounds must be >= 1")
-    per = max(1, len(cfg.slots()))
     levels: list[Level] = []
     nxt = 0
     for c in cfg.concurrency:
         n = cfg.requests_at(c)
         for r in range(cfg.rounds):
             levels.append(Level("closed", float(c), n, nxt, round=r))
-            nxt += n * per
+            nxt += n
     for k, rate in enumerate(cfg.rates):
         sched = tuple(poisson_schedule(rate, cfg.open_requests, cfg.seed + 1000 + k))
         for r in range(cfg.rounds):
             levels.append(Level("open", rate, cfg.open_requests, nxt, sched, round=r))
-            nxt += cfg.open_requests * per
+            nxt += cfg.open_requests
     warm_c = max(1, min(4, max(cfg.concurrency, default=1)))
     warmup = Level("closed", float(warm_c), cfg.warmup, nxt)
     workload = make_workload(cfg.seed, max(1, nxt + cfg.warmup), prompt_words=cfg.prompt_words,
                              max_tokens=cfg.max_tokens)
     return workload, levels, warmup
+
+
+def round_order(k: int, r: int) -> list[int]:
+    """Round ``r``'s order of ``k`` slots, a row of a Williams design: over
+    ``k`` rounds (``2k`` when ``k`` is odd) each slot runs in each position,
+    and right after each other slot, equally often."""
+    if k < 1:
+        return []
+    base, lo, hi = [0], 1, k - 1
+    while len(base) < k:
+        base.append(lo if len(base) % 2 else hi)
+        if len(base) % 2 == 0:
+            lo += 1
+        else:
+            hi -= 1
+    row = [(b + r) % k for b in base]
+    return row[::-1] if k % 2 and (r // k) % 2 else row
+
+
+PROMPT_CACHE_OFF = {"ours": ("--prefix-cache-bytes", "0"), "peer": ("--prompt-cache-bytes", "0")}
+"""Each server's switch for its prompt cache, off in a run over several APIs."""
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) process ``pid`` has used so far,
+    from ``/proc``; None where the OS has no ``/proc`` (macOS)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _log(msg: str) -> None:
@@ -148,45 +181,49 @@ def _brief(run: RunResult) -> str:
 
 
 class _Served:
-    """A served target: one level is one load-generator run."""
+    """A served target: one level is one load-generator run (and, given the
+    server's ``pid``, the CPU time the server used meanwhile)."""
 
     def __init__(self, target: _loadgen.Target, workload: Workload, cfg: BenchConfig,
-                 slot: int = 0) -> None:
+                 pid: int | None = None) -> None:
         self.name = target.name
-        self.slot = slot
-        self._target, self._workload, self._cfg = target, workload, cfg
+        self._target, self._workload, self._cfg, self._pid = target, workload, cfg, pid
 
     async def level(self, lv: Level) -> RunResult:
         cfg = self._cfg
+        cpu0 = cpu_seconds(self._pid) if self._pid is not None else None
         if lv.mode == "closed":
-            return await _loadgen.run_closed(
+            run = await _loadgen.run_closed(
                 self._target, self._workload, int(lv.level), lv.n,
                 level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
-                first_index=lv.first_for(self.slot))
-        return await _loadgen.run_open(
-            self._target, self._workload, lv.level, lv.schedule,
-            level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
-            first_index=lv.first_for(self.slot))
+                first_index=lv.first_index)
+        else:
+            run = await _loadgen.run_open(
+                self._target, self._workload, lv.level, lv.schedule,
+                level_timeout=cfg.level_timeout, request_timeout=cfg.request_timeout,
+                first_index=lv.first_index)
+        cpu1 = cpu_seconds(self._pid) if cpu0 is not None and self._pid is not None else None
+        run.server_cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+        return run
 
 
 class _Raw:
     """The in-process raw limit."""
 
     def __init__(self, runner: RawRunner, workload: Workload, cfg: BenchConfig,
-                 name: str | None = None, slot: int = 0) -> None:
+                 name: str | None = None) -> None:
         self._runner, self._workload, self._cfg = runner, workload, cfg
         self.name = name or runner.name
-        self.slot = slot
 
     async def level(self, lv: Level) -> RunResult:
         if lv.mode == "closed":
             run = await self._runner.run_closed(self._workload, int(lv.level), lv.n,
                                                 level_timeout=self._cfg.level_timeout,
-                                                first_index=lv.first_for(self.slot))
+                                                first_index=lv.first_index)
         else:
             run = await self._runner.run_open(self._workload, lv.level, lv.schedule,
                                               level_timeout=self._cfg.level_timeout,
-                                              first_index=lv.first_for(self.slot))
+                                              first_index=lv.first_index)
         run.target = self.name
         return run
 
@@ -288,7 +325,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     async def open_drivers(name: str, stack: AsyncExitStack) -> dict[str, _Driver]:
         """Start (or load) one target inside ``stack``: its driver, or one
-        per API slot; by slot ("" in a one-API run); empty if it failed."""
+        per API slot (raw: per prompt form); keyed by slot or form ("" in a
+        one-API run); empty if it failed."""
         if name in ("raw", "raw_kernels"):
             kernels = name == "raw_kernels"
             label = RAW_KERNELS if kernels else RAW
@@ -304,39 +342,41 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     runners[form] = runner
             if not multi:
                 return {"": _Raw(runners[prompt_form(cfg.api)], workload, cfg)}
-            return {slot: _Raw(runners[prompt_form(slot_api(slot))], workload, cfg,
-                               name=slot_target(label, slot), slot=k)
-                    for k, slot in enumerate(slots)}
+            return {form: _Raw(runner, workload, cfg, name=slot_target(label, form))
+                    for form, runner in runners.items()}
+        pid: int | None = None
         if name == "url":
             assert cfg.url is not None
             base, label, model_field = cfg.url, "url", cfg.url_model
         else:
             port = _servers.free_port()
             if name == "peer":
-                spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch,
-                                          extra=cfg.peer_args)
+                extra = cfg.peer_args + (PROMPT_CACHE_OFF["peer"] if multi else ())
+                spec = _servers.peer_spec(cfg.model, port, decode_concurrency=batch, extra=extra)
             else:
-                spec = _servers.ours_spec(cfg.model, port, max_batch=batch, extra=cfg.serve_args)
+                extra = cfg.serve_args + (PROMPT_CACHE_OFF["ours"] if multi else ())
+                spec = _servers.ours_spec(cfg.model, port, max_batch=batch, extra=extra)
             _log(f"starting {spec.name}: {' '.join(spec.argv)}")
+            meta.setdefault("servers", {})[spec.name] = list(spec.argv)
             try:
-                base = await stack.enter_async_context(
-                    _servers.serving(spec, port, log_dir, startup_timeout=cfg.startup_timeout))
+                running = await stack.enter_async_context(_servers.serving_process(
+                    spec, port, log_dir, startup_timeout=cfg.startup_timeout))
             except ServerStartError as exc:
                 skipped[spec.name] = f"failed to start: {str(exc)[:500]}"
                 _log(skipped[spec.name])
                 return {}
             stack.callback(_log, f"stopped {spec.name}")
+            base, pid = running.base_url, running.pid
             label, model_field = spec.name, spec.model_field
 
-        def served(target: str, api: str, slot: int = 0) -> _Served:
+        def served(target: str, api: str) -> _Served:
             return _Served(_loadgen.Target(target, base, model=model_field, profile=cfg.profile,
-                                           api=api), workload, cfg, slot=slot)
+                                           api=api), workload, cfg, pid=pid)
 
         if not multi:
             return {"": served(label, cfg.api)}
-        return {slot: served(slot_target(label, slot), slot_api(slot), k)
-                for k, slot in enumerate(slots)
-                if name != "peer" or slot_api(slot) in PEER_APIS}
+        return {slot: served(slot_target(label, slot), slot_api(slot))
+                for slot in slots if name != "peer" or slot_api(slot) in PEER_APIS}
 
     async def warm(driver: _Driver) -> None:
         if warmup.n > 0:
@@ -349,12 +389,26 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _log(_brief(run) + (f" (round {lv.round + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
 
     with trio.move_on_after(cfg.time_budget) as budget:
-        if cfg.interleave or multi:
-            # every target up at once; each level runs on all targets back to back
+        if multi:
+            # every target up at once; per round the raw targets, then the
+            # served slots in a Williams design's order (see round_order)
             async with AsyncExitStack() as stack:
                 opened = [await open_drivers(n, stack) for n in names]
-                # slot by slot: an API's raw and served sides run back to back
-                drivers = [by[s] for s in (slots or ("",)) for by in opened if s in by]
+                raws: list[_Driver] = [d for by in opened for d in by.values()
+                                       if isinstance(d, _Raw)]
+                served_slots: list[list[_Driver]] = [
+                    [by[s] for by in opened if s in by and isinstance(by[s], _Served)]
+                    for s in slots]
+                for d in raws + [d for group in served_slots for d in group]:
+                    await warm(d)
+                for lv in levels:
+                    order = [d for k in round_order(len(slots), lv.round) for d in served_slots[k]]
+                    for d in raws + order if lv.round % 2 == 0 else order + raws[::-1]:
+                        await one_level(d, lv)
+        elif cfg.interleave:
+            # every target up at once; each level runs on all targets back to back
+            async with AsyncExitStack() as stack:
+                drivers = [d for n in names for d in (await open_drivers(n, stack)).values()]
                 for d in drivers:
                     await warm(d)
                 for lv in levels:

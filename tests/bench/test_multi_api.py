@@ -1,12 +1,14 @@
 """``afm bench --api chat,completions,...``: several wire APIs in one run.
 
-Slot naming, the plan's job ranges (each API its own prompts), the report's
-per-slot ratios and the API comparison, the CLI, and one short run of raw
-and ``afm serve`` on the random tiny model."""
+Slot naming, the plan's job ranges (every API the same prompts), the round
+order (a Williams design), the report's per-slot ratios and the API
+comparison, the CLI, and one short run of raw and ``afm serve`` on the
+random tiny model."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from afm_core.bench._apis import prompt_form, slot_api, slot_names, slot_target, split_target
 from afm_core.bench._report import baseline, build_report, format_table, reference_slot
 from afm_core.bench._results import RequestResult, RunResult
-from afm_core.bench._run import BenchConfig, plan
+from afm_core.bench._run import BenchConfig, cpu_seconds, plan, round_order
 
 
 def test_slot_names_number_repeats() -> None:
@@ -32,41 +34,73 @@ def test_slot_names_number_repeats() -> None:
         slot_names(["chat", "embeddings"])
     assert reference_slot(("messages", "chat", "chat#2")) == "chat"
     assert reference_slot(("messages", "responses")) == "messages"
-    assert baseline("ours[messages]") == "raw[messages]" and baseline("ours") == "raw"
+    # raw runs once per prompt form: chat, messages and responses share the chat template's
+    assert baseline("ours[messages]") == "raw[chat]" and baseline("ours[chat#2]") == "raw[chat]"
+    assert baseline("ours[completions]") == "raw[completions]" and baseline("ours") == "raw"
 
 
-def test_plan_gives_every_api_its_own_jobs() -> None:
+def test_plan_gives_every_api_the_same_jobs() -> None:
     cfg = BenchConfig(model="/m", out_dir="/o", apis=("chat", "messages", "chat"),
                       concurrency=(1, 8), requests=4, rates=(5.0,), open_requests=3,
                       warmup=2, rounds=2)
     assert cfg.slots() == ("chat", "messages", "chat#2")
     workload, levels, warmup = plan(cfg)
-    spans = [(lv.first_for(k), lv.first_for(k) + lv.n) for lv in levels for k in range(3)]
-    flat = [i for a, b in spans for i in range(a, b)]
-    assert flat == list(range(len(flat)))  # disjoint and back to back: no prompt sent twice
-    assert [(lv.level, lv.round, lv.first_index) for lv in levels] == [
-        (1.0, 0, 0), (1.0, 1, 12), (8.0, 0, 24), (8.0, 1, 36), (5.0, 0, 48), (5.0, 1, 57)]
-    assert warmup.first_index == 66 and len(workload.jobs) == 68
-    # one API (or none given) plans as before: first_for(0) is the level's first job
+    # levels and rounds on disjoint ranges, back to back: no target sees a prompt twice
+    assert [(lv.level, lv.round, lv.first_index, lv.n) for lv in levels] == [
+        (1.0, 0, 0, 4), (1.0, 1, 4, 4), (8.0, 0, 8, 4), (8.0, 1, 12, 4), (5.0, 0, 16, 3),
+        (5.0, 1, 19, 3)]
+    assert warmup.first_index == 22 and len(workload.jobs) == 24
     one = BenchConfig(model="/m", out_dir="/o", apis=("messages",), requests=4, concurrency=(1,))
-    assert one.slots() == () and [lv.first_for(0) for lv in plan(one)[1]] == [0]
+    assert one.slots() == () and [lv.first_index for lv in plan(one)[1]] == [0]
 
 
-def _runs(target: str, tok_by_round: list[int]) -> list[RunResult]:
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+def test_round_order_is_a_williams_design(k: int) -> None:
+    """Over k rounds (2k when k is odd) every slot runs in every position
+    equally often, and right after every other slot equally often."""
+    n = k if k % 2 == 0 else 2 * k
+    rows = [round_order(k, r) for r in range(n)]
+    assert all(sorted(row) == list(range(k)) for row in rows)
+    for pos in range(k):
+        assert sorted(row[pos] for row in rows) == sorted(list(range(k)) * (n // k))
+    pairs = [(a, b) for row in rows for a, b in zip(row, row[1:])]
+    expected = [(a, b) for a in range(k) for b in range(k) if a != b] * (n * (k - 1) // (k * (k - 1))
+                                                                        if k > 1 else 0)
+    assert sorted(pairs) == sorted(expected)
+    assert round_order(k, n) == rows[0]  # and then it repeats
+
+
+def test_cpu_seconds_reads_a_process() -> None:
+    import os
+    import sys
+
+    own = cpu_seconds(os.getpid())
+    if sys.platform != "linux":
+        assert own is None
+        return
+    assert own is not None and own > 0
+    assert cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def _runs(target: str, tok_by_round: list[int], cpu: float | None = None) -> list[RunResult]:
+    """One run per round, 4 requests of ``tokens`` each over 1 s; ``cpu``:
+    the server's and (half of it) the client's CPU seconds per round."""
     out = []
     for r, tokens in enumerate(tok_by_round):
         reqs = [RequestResult(index=i, ttft=0.01, e2e=0.11, itls=[0.01], output_tokens=tokens)
                 for i in range(4)]
-        run = RunResult(target, "closed", 1.0, 1.0, reqs)
+        run = RunResult(target, "closed", 1.0, 1.0, reqs, server_cpu_s=cpu,
+                        client_cpu_s=None if cpu is None else cpu / 2)
         run.round = r
         out.append(run)
     return out
 
 
 def _report() -> dict:
-    runs = (_runs("raw[chat]", [100, 100, 50]) + _runs("ours[chat]", [90, 95, 45])
-            + _runs("raw[completions]", [100, 100, 100]) + _runs("ours[completions]", [81, 95, 88])
-            + _runs("raw[chat#2]", [100, 100, 100]) + _runs("ours[chat#2]", [90, 96, 90])
+    runs = (_runs("raw[chat]", [100, 100, 50]) + _runs("ours[chat]", [90, 95, 45], cpu=0.2)
+            + _runs("raw[completions]", [100, 100, 100])
+            + _runs("ours[completions]", [81, 95, 88], cpu=0.2)
+            + _runs("ours[chat#2]", [90, 96, 45], cpu=0.21)
             + _runs("mlx_lm.server[chat]", [50, 50, 25]))
     return build_report(runs, meta={}, skipped={},
                         config={"rounds": 3, "api": "chat", "apis": ["chat", "completions", "chat"],
@@ -79,6 +113,8 @@ def test_report_sets_each_api_against_its_own_raw() -> None:
     vs = entry["vs_raw"]
     assert set(vs) == {"ours[chat]", "ours[completions]", "ours[chat#2]", "mlx_lm.server[chat]"}
     assert vs["ours[chat]"]["output_tokens_per_s_by_round"] == pytest.approx([0.90, 0.95, 0.90])
+    # chat#2 is set against raw[chat], the run of the same prompts through the template
+    assert vs["ours[chat#2]"]["output_tokens_per_s_by_round"] == pytest.approx([0.90, 0.96, 0.90])
     assert vs["ours[completions]"]["output_tokens_per_s"] == pytest.approx(0.88)
     assert entry["ours_vs_peer_by_api"]["chat"]["output_tokens_per_s"] == pytest.approx(1.8)
     assert "ours_vs_peer" not in entry  # that key keeps its one-API meaning
@@ -95,8 +131,19 @@ def test_report_sets_each_api_against_its_own_raw() -> None:
     assert d["by_round"] == pytest.approx([-10.0, 0.0, 100 * (88 / 90 - 1)])
     assert d["median"] == pytest.approx(100 * (88 / 90 - 1))
     assert (d["min"], d["max"]) == pytest.approx((-10.0, 0.0))
+    assert d["q1"] <= d["median"] <= d["q3"]
     aa = ours["chat#2"]["vs_reference_pct"]
     assert aa["by_round"] == pytest.approx([0.0, 100 * (96 / 95 - 1), 0.0])
+    # pooled: (81+95+88)/(100*3) over (90+95+45)/(100+100+50)
+    pooled = ours["completions"]["pooled_ratio"]
+    assert pooled == pytest.approx(264 / 300) and ours["chat"]["pooled_ratio"] == pytest.approx(0.92)
+    assert ours["completions"]["pooled_vs_reference_pct"] == pytest.approx(100 * (0.88 / 0.92 - 1))
+    # CPU per output token: 3 rounds of 0.2 s over 4 * (90 + 95 + 45) tokens, in ms
+    assert ours["chat"]["server_cpu_ms_per_token"] == pytest.approx(600 / 920)
+    assert ours["chat"]["client_cpu_ms_per_token"] == pytest.approx(300 / 920)
+    assert ours["chat#2"]["server_cpu_ms_per_token_vs_reference_pct"] == pytest.approx(
+        100 * ((630 / 924) / (600 / 920) - 1))
+    assert cmp["mlx_lm.server"]["chat"]["server_cpu_ms_per_token"] is None
     assert cmp["mlx_lm.server"]["chat"]["ratio"]["median"] == pytest.approx(0.5)
     json.dumps(rep, allow_nan=False)
 
@@ -110,6 +157,9 @@ def test_table_answers_the_comparison() -> None:
     assert rows["chat"][2:4] == ["0.900", "[0.900-0.950]"] and rows["chat"][4] == "-"
     assert rows["completions"][2:7] == ["0.880", "[0.810-0.950]", "-2.2%", "[-10.0%,", "+0.0%]"]
     assert rows["chat#2"][4] == "+0.0%"
+    # pooled difference, then the server's and client's CPU ms per token (and vs chat)
+    assert rows["completions"][7:12] == ["-4.3%", "0.568", "(-12.9%)", "0.284", "(-12.9%)"]
+    assert rows["chat"][5:7] == ["-", "0.652"]
     assert "mlx_lm.server ÷ raw" in table
 
 
@@ -148,13 +198,18 @@ def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None
     rep = json.loads((out / "report.json").read_text())
     assert rep["config"]["interleave"] is True  # implied
     assert rep["config"]["slots"] == ["chat", "completions", "chat#2"]
-    # slot by slot, raw next to the server's target of the same API
-    assert rep["targets"] == ["raw[chat]", "ours[chat]", "raw[completions]", "ours[completions]",
-                              "raw[chat#2]", "ours[chat#2]"]
+    # raw once per prompt form, then the served slots (in round 0's order)
+    assert rep["targets"] == ["raw[chat]", "raw[completions]", "ours[chat]", "ours[completions]",
+                              "ours[chat#2]"]
     (entry,) = rep["levels"]
     for name in rep["targets"]:
         s = entry["by_target"][name]
         assert s["requests"] == 6 and s["ok"] == 6 and s["errors"] == {}, (name, s)
+        if name.startswith("ours") and sys.platform == "linux":
+            assert s["server_cpu_s"] > 0 and s["server_cpu_ms_per_token"] > 0, s
+    # every API ran the same prompts, so the server ran with its prefix cache off
+    argv = rep["meta"]["servers"]["ours"]
+    assert argv[argv.index("--prefix-cache-bytes") + 1] == "0"
     assert set(entry["api_comparison"]["ours"]) == {"chat", "completions", "chat#2"}
     assert len(entry["api_comparison"]["ours"]["chat#2"]["vs_reference_pct"]["by_round"]) == 2
     # one server for every API, and every API's prompts counted as raw counted them
