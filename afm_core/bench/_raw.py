@@ -119,12 +119,13 @@ class RawRunner:
         job = workload.job(i)
         key = hash((workload.seed, len(workload.jobs), job.index))
         ids = self._prompts.get(key)
-        if ids is None and self.api == "completions":
-            ids = list(self._tokenizer.encode(prompt_text(job)))
         if ids is None:
-            ids = list(self._tokenizer.apply_chat_template(
-                [dict(m) for m in job.messages], add_generation_prompt=True, tokenize=True))
-            self._prompts[key] = ids
+            if self.api == "completions":
+                ids = list(self._tokenizer.encode(prompt_text(job)))
+            else:
+                ids = list(self._tokenizer.apply_chat_template(
+                    [dict(m) for m in job.messages], add_generation_prompt=True, tokenize=True))
+            self._prompts[key] = ids  # tokenized once (prompt_tokens), not per request
         return ids
 
     def _loop(self, workload: Workload, concurrency: int, arrivals: list[float],

@@ -337,8 +337,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     runner = RawRunner(cfg.model, kernels=kernels, name=label, api=api)
                     stack.push_async_callback(runner.aclose)
                     await runner.load()
+                    counts = await runner.prompt_tokens(workload)  # tokenized before timing
                     if not kernels:
-                        raw_tokens[form] = await runner.prompt_tokens(workload)
+                        raw_tokens[form] = counts
                     runners[form] = runner
             if not multi:
                 return {"": _Raw(runners[prompt_form(cfg.api)], workload, cfg)}

@@ -442,6 +442,35 @@ def test_raw_with_the_engine_kernels(random_model_dir: Path, tmp_path: Path) -> 
     assert "raw+kernels" not in rep["checks"]["prompt_tokens_vs_raw"]
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_raw_runner_tokenizes_each_prompt_once(random_model_dir: Path, api: str) -> None:
+    """A level's timing holds generation only: ``prompt_tokens`` (run before
+    any level) tokenizes every job once, in either prompt form, and a level
+    reuses those ids."""
+    workload = bench.make_workload(3, 4, prompt_words=(8, 12), max_tokens=2)
+    runner = bench.RawRunner(random_model_dir, api=api)
+    await runner.load()
+    try:
+        tok = runner._tokenizer
+        calls = 0
+
+        def counting(fn):
+            def wrapped(*args, **kwargs):
+                nonlocal calls
+                calls += 1
+                return fn(*args, **kwargs)
+            return wrapped
+
+        for name in ("encode", "apply_chat_template"):
+            setattr(tok, name, counting(getattr(tok, name)))
+        counts = await runner.prompt_tokens(workload)
+        assert calls == 4 and all(n > 8 for n in counts)
+        run = await runner.run_closed(workload, 2, 4, level_timeout=30)
+        assert calls == 4 and [r.prompt_tokens for r in run.requests] == counts
+    finally:
+        await runner.aclose()
+
+
 async def test_raw_runner_applies_and_frees_the_engine_kernels(random_model_dir: Path) -> None:
     from afm_core._mlx.fusion import wants_fusion
 
