@@ -82,8 +82,8 @@ def _apis(text: str) -> tuple[str, ...]:
 
 def _rounds(text: str) -> int:
     n = int(text)
-    if not 1 <= n <= 20:
-        raise argparse.ArgumentTypeError("rounds must be between 1 and 20")
+    if not 1 <= n <= 1000:
+        raise argparse.ArgumentTypeError("rounds must be between 1 and 1000")
     return n
 
 
@@ -104,8 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "completions (/v1/completions: the prompt text raw, and raw mlx-lm without the chat "
            "template), messages (Anthropic /v1/messages), responses (/v1/responses); "
            "mlx_lm.server serves only chat and completions.  A comma list runs them all in one "
-           "run, interleaved: one server per target, a target per API on it (ours[messages]), "
-           "raw per API on the same prompts; the same API twice (chat,chat) is an A/A control")
+           "run, interleaved: one server per target (prompt caches off), a target per API on it "
+           "(ours[messages]), every API on the same prompts, raw once per prompt form "
+           "(raw[chat], raw[completions]), the APIs in a balanced (Williams) order each round; "
+           "the same API twice (chat,chat) is an A/A control")
     a("--concurrency", type=_levels, default=(1, 8, 32, 64),
       help="closed-loop levels ('none' with --rate for open loop only)")
     a("--requests", type=int, default=None,
