@@ -19,11 +19,13 @@ prompt would find it cached.  Raw runs once per prompt form
 (``_apis.prompt_form``: ``raw[chat]``, the chat template, is the baseline of
 chat, messages and responses; ``raw[completions]``, the text as it is, of
 completions), so the APIs that share a form share their raw figure too.
-Each round runs the raw targets, then the served slots in the order of a
-Williams design (``round_order``: over a few rounds every slot runs in every
-position and after every other slot equally often, so neither position nor
-what ran just before favours an API), the raw targets moving to the end of
-the round every other round.  A served level also measures the server
+Each round (``multi_round``) runs the raw targets, then the served slots in
+the order of a Williams design (``round_order``: over a few rounds every
+slot runs in every position and right after every other slot equally
+often, so neither position nor what ran just before favours an API); every
+other round the raw targets move to the end, in an order rotated every two
+rounds, so each is the one right after a served level equally often.
+A served level also measures the server
 process's CPU time (``server_cpu_s``, where the OS tells it).
 """
 
@@ -39,7 +41,7 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -54,6 +56,8 @@ from ._workload import Workload, make_workload, poisson_schedule
 ALL_TARGETS = ("raw", "raw_kernels", "peer", "ours")
 DEFAULT_TARGETS = ("raw", "peer", "ours")
 
+
+T = TypeVar("T")
 
 PEER_APIS = ("chat", "completions")
 """The wire APIs mlx_lm.server serves."""
@@ -152,6 +156,18 @@ def round_order(k: int, r: int) -> list[int]:
             hi -= 1
     row = [(b + r) % k for b in base]
     return row[::-1] if k % 2 and (r // k) % 2 else row
+
+
+def multi_round(raws: list[T], served: list[list[T]], r: int) -> list[T]:
+    """Round ``r`` of a run over several APIs: the served slots (each a
+    list of targets) in ``round_order``, the raw targets before them on
+    even rounds and after them on odd ones, rotated every two rounds, so
+    that each raw target is the one right after a served level equally
+    often (whatever a level leaves behind weighs on all of them alike)."""
+    order = [d for k in round_order(len(served), r) for d in served[k]]
+    shift = (r // 2) % len(raws) if raws else 0
+    rotated = raws[shift:] + raws[:shift]
+    return rotated + order if r % 2 == 0 else order + rotated
 
 
 PROMPT_CACHE_OFF = {"ours": ("--prefix-cache-bytes", "0"), "peer": ("--prompt-cache-bytes", "0")}
@@ -403,8 +419,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 for d in raws + [d for group in served_slots for d in group]:
                     await warm(d)
                 for lv in levels:
-                    order = [d for k in round_order(len(slots), lv.round) for d in served_slots[k]]
-                    for d in raws + order if lv.round % 2 == 0 else order + raws[::-1]:
+                    for d in multi_round(raws, served_slots, lv.round):
                         await one_level(d, lv)
         elif cfg.interleave:
             # every target up at once; each level runs on all targets back to back

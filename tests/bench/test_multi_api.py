@@ -218,3 +218,20 @@ def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None
     assert set(checks) == {"ours[chat]", "ours[completions]", "ours[chat#2]"}
     assert all(c["checked"] == 6 and c["mismatched"] == 0 for c in checks.values()), checks
     assert "ours ÷ raw, tokens/s, by wire API" in (out / "report.txt").read_text()
+
+
+def test_multi_round_balances_what_runs_after_a_served_level() -> None:
+    """Raw targets come first on even rounds and last on odd ones, rotated
+    every two rounds: each is the first after the served slots equally often."""
+    from afm_core.bench._run import multi_round
+
+    raws, served = ["r0", "r1"], [["s0"], ["s1", "p1"], ["s2"]]
+    rounds = [multi_round(raws, served, r) for r in range(12)]
+    assert rounds[0] == ["r0", "r1", "s0", "s1", "p1", "s2"]  # round_order(3, 0) == [0, 1, 2]
+    assert rounds[1] == ["s1", "p1", "s2", "s0", "r0", "r1"]
+    assert rounds[2][:2] == ["r1", "r0"] and rounds[3][-2:] == ["r1", "r0"]
+    after_served = [b for row in rounds for a, b in itertools.pairwise(row)
+                    if b.startswith("r") and not a.startswith("r")]
+    assert sorted(after_served) == ["r0", "r0", "r0", "r1", "r1", "r1"]
+    assert all(sorted(row) == sorted([*raws, "s0", "s1", "p1", "s2"]) for row in rounds)
+    assert multi_round([], served, 1) == ["s1", "p1", "s2", "s0"]
