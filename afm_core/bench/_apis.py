@@ -71,7 +71,11 @@ def split_target(name: str) -> tuple[str, str | None]:
 
 
 def prompt_text(job: Job) -> str:
-    """The raw prompt of a ``completions`` request: the messages' text."""
+    """The raw prompt of a ``completions`` request: the job's ``prompt``
+    (the chat template rendered, in a run over several APIs), else the
+    messages' text."""
+    if job.prompt is not None:
+        return job.prompt
     return "\n\n".join(m["content"] for m in job.messages)
 
 
@@ -83,6 +87,8 @@ def body(job: Job, api: str, *, model: str | None, stream: bool = True) -> dict[
     if api == "completions":
         out = {"prompt": prompt_text(job), "max_tokens": job.max_tokens, "temperature": 0.0,
                "stream": stream}
+        if job.prompt is not None:  # the template's text holds its special tokens already
+            out["add_special_tokens"] = False
         if stream:
             out["stream_options"] = {"include_usage": True}
     elif api == "messages":

@@ -105,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "template), messages (Anthropic /v1/messages), responses (/v1/responses); "
            "mlx_lm.server serves only chat and completions.  A comma list runs them all in one "
            "run, interleaved: one server per target (prompt caches off), a target per API on it "
-           "(ours[messages]), every API on the same prompts, raw once per prompt form "
-           "(raw[chat], raw[completions]), the APIs in a balanced (Williams) order each round; "
+           "(ours[messages]), every API on the same prompt tokens (completions sends the chat "
+           "template's text) against one raw target, the APIs in a balanced (Williams) order "
+           "each round; "
            "the same API twice (chat,chat) is an A/A control")
     a("--concurrency", type=_levels, default=(1, 8, 32, 64),
       help="closed-loop levels ('none' with --rate for open loop only)")

@@ -38,18 +38,19 @@ def _p(summary: dict[str, Any], metric: str, q: str = "p50") -> float | None:
     return None if value is None else float(value)
 
 
-def raw_of(kind: str, slot: str) -> str:
+def raw_of(kind: str, slot: str, forms: dict[str, str] | None = None) -> str:
     """The raw target (``kind`` raw or raw+kernels) that runs ``slot``'s
-    prompts in a run over several APIs: one per prompt form
-    (``ours[messages]`` -> ``raw[chat]``, ``ours[completions]`` -> ``raw[completions]``)."""
-    return slot_target(kind, prompt_form(slot_api(slot)))
+    prompts in a run over several APIs: one per prompt form, as the run's
+    config says (``raw_forms``, by slot), else ``_apis.prompt_form``
+    (``ours[messages]`` -> ``raw[chat]``)."""
+    return slot_target(kind, (forms or {}).get(slot) or prompt_form(slot_api(slot)))
 
 
-def baseline(target: str) -> str:
+def baseline(target: str, forms: dict[str, str] | None = None) -> str:
     """The raw target a target's figures are set against: ``raw``, or in a
     run over several APIs the raw target of its slot's prompt form (``raw_of``)."""
     _, slot = split_target(target)
-    return RAW if slot is None else raw_of(RAW, slot)
+    return RAW if slot is None else raw_of(RAW, slot, forms)
 
 
 def is_raw(target: str) -> bool:
@@ -103,6 +104,7 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
         levels.setdefault(key, {"mode": run.mode, "level": run.level, "label": run.label,
                                 "by_target": {}})
         grouped.setdefault(key, {}).setdefault(run.target, {})[run.round] = run
+    forms: dict[str, str] = config.get("raw_forms") or {}
     for key, entry in levels.items():
         by = entry["by_target"]
         tps: dict[str, dict[int, float | None]] = {}  # tokens/s by target, by round
@@ -115,21 +117,21 @@ def build_report(runs: Iterable[RunResult], *, meta: dict[str, Any],
                 by[target]["output_tokens_per_s_by_round"] = list(tps[target].values())
         if any(is_raw(t) for t in by):
             entry["vs_raw"] = {t: _rounds_compare(by[t], by[b], tps[t], tps[b]) for t in by
-                               if not is_raw(t) and (b := baseline(t)) in by}
+                               if not is_raw(t) and (b := baseline(t, forms)) in by}
         slots = config.get("slots") or ()
         for pair, other in (("ours_vs_peer", PEER), ("ours_vs_raw_kernels", RAW_KERNELS)):
             if not slots:
                 if OURS in by and other in by:
                     entry[pair] = _rounds_compare(by[OURS], by[other], tps[OURS], tps[other])
                 continue
-            pairs = {s: (slot_target(OURS, s), raw_of(other, s) if other == RAW_KERNELS
+            pairs = {s: (slot_target(OURS, s), raw_of(other, s, forms) if other == RAW_KERNELS
                          else slot_target(other, s)) for s in slots}
             found = {s: _rounds_compare(by[a], by[b], tps[a], tps[b])
                      for s, (a, b) in pairs.items() if a in by and b in by}
             if found:
                 entry[pair + "_by_api"] = found
         if slots:
-            entry["api_comparison"] = api_comparison(by, tps, slots)
+            entry["api_comparison"] = api_comparison(by, tps, slots, forms)
     ordered = sorted(levels.values(), key=lambda e: (e["mode"] != "closed", e["level"]))
     return {"meta": meta, "config": config, "targets": targets, "skipped": skipped,
             "levels": ordered}
@@ -159,7 +161,7 @@ def _pct_over(x: float | None, ref: float | None) -> float | None:
 
 
 def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float | None]],
-                   slots: Sequence[str]) -> dict[str, Any]:
+                   slots: Sequence[str], forms: dict[str, str] | None = None) -> dict[str, Any]:
     """For each served kind and API slot at one level:
 
     * ``ratio``: the tokens/s ratio to the slot's raw target round by round
@@ -180,7 +182,7 @@ def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float
         rows: dict[str, Any] = {}
         for slot in slots:
             target = slot_target(kind, slot)
-            raw = raw_of(RAW, slot)
+            raw = raw_of(RAW, slot, forms)
             if target not in by or raw not in by or target == raw:
                 continue
             per_round[slot] = {r: ratio(tps[target][r], tps[raw].get(r)) for r in tps[target]}

@@ -15,10 +15,11 @@ target of its own on it (``ours[chat]``, ``ours[messages]``...).  Every slot
 runs the same jobs, so two APIs differ only by the API: the servers' prompt
 caches are switched off for such a run (``--prefix-cache-bytes 0``, and
 ``--prompt-cache-bytes 0`` for mlx_lm.server), else the second API to send a
-prompt would find it cached.  Raw runs once per prompt form
-(``_apis.prompt_form``: ``raw[chat]``, the chat template, is the baseline of
-chat, messages and responses; ``raw[completions]``, the text as it is, of
-completions), so the APIs that share a form share their raw figure too.
+prompt would find it cached.  Completions sends the chat template's text
+(``_workload.templated``, with ``add_special_tokens: false``), so every API
+prefills the same tokens and decodes the same answer, and one raw target,
+``raw[chat]``, is every API's baseline (``run_form``; the run checks each
+request's prompt tokens against it).
 Each round (``multi_round``) runs the raw targets, then the served slots in
 the order of a Williams design (``round_order``: over a few rounds every
 slot runs in every position and right after every other slot equally
@@ -46,12 +47,12 @@ from typing import Any, TypeVar
 import trio
 
 from . import _loadgen, _servers
-from ._apis import prompt_form, slot_api, slot_names, slot_target, split_target
+from ._apis import APIS, prompt_form, slot_api, slot_names, slot_target, split_target
 from ._errors import ServerStartError
 from ._raw import RawRunner
 from ._report import OURS, PEER, RAW, RAW_KERNELS, build_report
 from ._results import RunResult
-from ._workload import Workload, make_workload, poisson_schedule
+from ._workload import Workload, make_workload, poisson_schedule, templated
 
 ALL_TARGETS = ("raw", "raw_kernels", "peer", "ours")
 DEFAULT_TARGETS = ("raw", "peer", "ours")
@@ -288,17 +289,40 @@ def _meta(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
+def run_form(api: str, multi: bool) -> str:
+    """How raw tokenizes ``api``'s prompts in a run: ``_apis.prompt_form``,
+    except that in a run over several APIs completions sends the chat
+    template's text (``_workload.templated``), so every API shares ``chat``."""
+    return "chat" if multi else prompt_form(api)
+
+
+def _chat_renderer(model_dir: str) -> Any:
+    """The model's chat template as text (generation prompt included)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model_dir))
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False))
+    return render
+
+
 def _prompt_token_check(runs: list[RunResult], raw_tokens: dict[str, list[int]],
-                        workload: Workload, api: str) -> dict[str, Any]:
+                        workload: Workload, api: str,
+                        forms: dict[str, str] | None = None) -> dict[str, Any]:
     """Does each server count the same prompt tokens as the raw path?
-    ``raw_tokens`` is raw's count of every job by prompt form
-    (``_apis.prompt_form``); a target's API is its slot's, else ``api``."""
+    ``raw_tokens`` is raw's count of every job by prompt form (``forms``,
+    by API; ``_apis.prompt_form`` by default); a target's API is its
+    slot's, else ``api``."""
+    form_of = (forms or {}).get
     out: dict[str, Any] = {}
     for run in runs:
         kind, slot = split_target(run.target)
         if kind in (RAW, RAW_KERNELS):
             continue
-        counts = raw_tokens.get(prompt_form(slot_api(slot) if slot is not None else api))
+        target_api = slot_api(slot) if slot is not None else api
+        counts = raw_tokens.get(form_of(target_api) or prompt_form(target_api))
         if not counts:
             continue
         seen = [(r.index, r.prompt_tokens) for r in run.requests if r.prompt_tokens is not None]
@@ -322,6 +346,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     slots = cfg.slots()  # () in a one-API run: plain target names, cfg.api
     multi = bool(slots)
     apis = [slot_api(s) for s in slots] if multi else [cfg.api]
+    if multi and "completions" in apis:
+        workload = templated(workload, _chat_renderer(cfg.model))
+    forms = {api: run_form(api, multi) for api in APIS}  # raw's prompt form per API
 
     names = [t for t in ALL_TARGETS if t in cfg.targets]
     if "ours" in names and not _servers.ours_available():
@@ -348,9 +375,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             label = RAW_KERNELS if kernels else RAW
             runners: dict[str, RawRunner] = {}  # one loaded model per prompt form
             for api in apis:
-                form = prompt_form(api)
+                form = forms[api]
                 if form not in runners:
-                    runner = RawRunner(cfg.model, kernels=kernels, name=label, api=api)
+                    runner = RawRunner(cfg.model, kernels=kernels, name=label, api=form)
                     stack.push_async_callback(runner.aclose)
                     await runner.load()
                     counts = await runner.prompt_tokens(workload)  # tokenized before timing
@@ -358,7 +385,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                         raw_tokens[form] = counts
                     runners[form] = runner
             if not multi:
-                return {"": _Raw(runners[prompt_form(cfg.api)], workload, cfg)}
+                return {"": _Raw(runners[forms[cfg.api]], workload, cfg)}
             return {form: _Raw(runner, workload, cfg, name=slot_target(label, form))
                     for form, runner in runners.items()}
         pid: int | None = None
@@ -446,10 +473,11 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if multi:
         config["interleave"] = True  # several APIs always run interleaved
         config["slots"] = list(slots)
+        config["raw_forms"] = {slot: forms[slot_api(slot)] for slot in slots}
     config["workload"] = workload.describe()
     meta["elapsed_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = list(os.getloadavg())
     report = build_report(runs, meta=meta, config=config, skipped=skipped)
     report["checks"] = {"prompt_tokens_vs_raw":
-                        _prompt_token_check(runs, raw_tokens, workload, cfg.api)}
+                        _prompt_token_check(runs, raw_tokens, workload, cfg.api, forms)}
     return report

@@ -8,6 +8,7 @@ arrival offsets.  Both are deterministic for a given seed and use their own
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,9 @@ class Job:
     index: int
     messages: tuple[dict[str, str], ...]
     max_tokens: int
+    # the completions API's prompt text when it is not the messages' text: a
+    # run over several APIs renders the chat template into it (``templated``)
+    prompt: str | None = None
 
     def body(self, *, model: str | None, stream: bool = True) -> dict[str, Any]:
         """The OpenAI chat-completions request body for this job."""
@@ -77,6 +81,15 @@ class Workload:
             "prompt_words_max": max(words),
             "max_tokens": sorted({j.max_tokens for j in self.jobs}),
         }
+
+
+def templated(workload: Workload, render: Any) -> Workload:
+    """``workload`` with every job's ``prompt`` set to ``render(messages)``
+    (the chat template as text, generation prompt included), so the
+    completions API sends the very tokens the chat APIs' template gives."""
+    return Workload(workload.seed, tuple(
+        dataclasses.replace(j, prompt=render([dict(m) for m in j.messages]))
+        for j in workload.jobs))
 
 
 def make_prompt(rng: random.Random, n_words: int) -> str:

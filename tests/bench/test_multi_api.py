@@ -185,6 +185,34 @@ def test_cli_takes_a_list_of_apis(tmp_path: Path) -> None:
     assert main(["bench", "--real-model", "--api", "messages", "--out", str(tmp_path)]) == 2
 
 
+def entry_vs_raw_targets(rep: dict) -> dict[str, str]:
+    (entry,) = rep["levels"]
+    return {row["target"]: row["raw"] for row in entry["api_comparison"]["ours"].values()}
+
+
+def test_completions_sends_the_chat_template_in_a_run_over_several_apis(
+        random_model_dir: Path) -> None:
+    """Completions sends the rendered template (and asks for no added special
+    tokens), so its prompt tokens are the chat APIs' own."""
+    import mlx_lm
+
+    from afm_core.bench._apis import body
+    from afm_core.bench._run import _chat_renderer
+    from afm_core.bench._workload import make_workload, templated
+
+    plain = make_workload(1, 3)
+    work = templated(plain, _chat_renderer(str(random_model_dir)))
+    _, tok = mlx_lm.load(str(random_model_dir))
+    for job, was in zip(work.jobs, plain.jobs, strict=True):
+        b = body(job, "completions", model=None)
+        assert b["add_special_tokens"] is False and "add_special_tokens" not in body(was, "completions", model=None)
+        assert b["prompt"].startswith("<|im_start|>user\n") and b["prompt"].endswith("assistant\n")
+        chat_ids = tok.apply_chat_template([dict(m) for m in job.messages],
+                                           add_generation_prompt=True, tokenize=True)
+        assert list(tok.encode(b["prompt"], add_special_tokens=False)) == list(chat_ids)
+        assert body(job, "chat", model=None) == body(was, "chat", model=None)
+
+
 def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None:
     from afm_core._cli import main
 
@@ -198,9 +226,11 @@ def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None
     rep = json.loads((out / "report.json").read_text())
     assert rep["config"]["interleave"] is True  # implied
     assert rep["config"]["slots"] == ["chat", "completions", "chat#2"]
-    # raw once per prompt form, then the served slots (in round 0's order)
-    assert rep["targets"] == ["raw[chat]", "raw[completions]", "ours[chat]", "ours[completions]",
-                              "ours[chat#2]"]
+    # one raw target (completions sends the template's text), then the served slots
+    assert rep["targets"] == ["raw[chat]", "ours[chat]", "ours[completions]", "ours[chat#2]"]
+    assert rep["config"]["raw_forms"] == {"chat": "chat", "completions": "chat", "chat#2": "chat"}
+    assert entry_vs_raw_targets(rep) == {"ours[chat]": "raw[chat]", "ours[completions]": "raw[chat]",
+                                         "ours[chat#2]": "raw[chat]"}
     (entry,) = rep["levels"]
     for name in rep["targets"]:
         s = entry["by_target"][name]
