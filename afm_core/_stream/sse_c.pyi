@@ -1,6 +1,6 @@
 """Types of the Cython build ``sse_c`` (from ``ext/stream/sse_c.pyx``); twin of ``sse_py``.
 
-``DONE``, ``dumps`` and ``frame`` are the pure twin's own objects, re-exported.
+``DONE`` is the pure twin's own object, re-exported.
 """
 
 from collections.abc import Iterable
@@ -8,12 +8,12 @@ from typing import Any
 
 from .events import Event
 from .sse_py import DONE as DONE
-from .sse_py import dumps as dumps
-from .sse_py import frame as frame
 
 __all__ = ["DONE", "SSEEncoder", "dumps", "escape_json_string", "frame"]
 
 def escape_json_string(text: str) -> bytes: ...
+def dumps(obj: Any) -> bytes: ...
+def frame(obj: Any) -> bytes: ...
 
 class SSEEncoder:
     def __init__(

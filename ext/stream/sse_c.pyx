@@ -3,7 +3,12 @@
 
 Hot frames (content, reasoning, tool arguments) are written into one bytes
 object: prefix, JSON-escaped text, suffix.  Cold events share the pure
-twin's dict building and serialisation, so both twins emit identical bytes.
+twin's dict building, so both twins emit identical bytes.  ``dumps`` (the
+other wire APIs' events: Anthropic, Responses, Completions) writes dicts,
+lists, tuples, exact strings, ints, floats, booleans and None itself and
+hands anything else (a subclass, a non-string key, deep nesting) to the pure
+twin's encoder: the same bytes as ``json.dumps(obj, ensure_ascii=False,
+separators=(",", ":"))``.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -13,7 +18,8 @@ from afm_core._stream.events import ContentDelta as _CD
 from afm_core._stream.events import LogprobsDelta as _LD
 from afm_core._stream.events import ReasoningDelta as _RD
 from afm_core._stream.events import ToolCallDelta as _TD
-from afm_core._stream.sse_py import DONE, dumps, frame
+from afm_core._stream.sse_py import DONE
+from afm_core._stream.sse_py import dumps as _py_dumps
 from afm_core._stream.sse_py import SSEEncoder as _PySSEEncoder
 
 __all__ = ["DONE", "SSEEncoder", "dumps", "escape_json_string", "frame"]
@@ -153,6 +159,74 @@ cdef bytes _build(bytes a, bytes b, str text, bytes tail):
 def escape_json_string(str text) -> bytes:
     """``text`` as a quoted JSON string literal in UTF-8."""
     return _build(b"", b"", text, b"")
+
+
+cdef int MAX_DEPTH = 64  # deeper: the pure twin (which also detects cycles)
+cdef double INF = float("inf")
+
+
+cdef int _dump(list out, object obj, int depth) except -1:
+    """Append ``obj``'s compact JSON to ``out`` (bytes pieces)."""
+    cdef type t = type(obj)
+    cdef bint first
+    cdef Py_ssize_t mark
+    if t is str:
+        out.append(_build(b"", b"", <str>obj, b""))
+    elif obj is None:
+        out.append(b"null")
+    elif obj is True:
+        out.append(b"true")
+    elif obj is False:
+        out.append(b"false")
+    elif t is int:
+        out.append(int.__repr__(obj).encode("ascii"))
+    elif t is float:
+        if obj != obj:
+            out.append(b"NaN")
+        elif obj == INF:
+            out.append(b"Infinity")
+        elif obj == -INF:
+            out.append(b"-Infinity")
+        else:
+            out.append(float.__repr__(obj).encode("ascii"))
+    elif t is dict and depth < MAX_DEPTH:
+        mark = len(out)
+        out.append(b"{")
+        first = True
+        for k, v in (<dict>obj).items():
+            if type(k) is not str:  # json's key conversions: the pure twin's
+                del out[mark:]
+                out.append(_py_dumps(obj))
+                return 0
+            out.append(_build(b"" if first else b",", b"", <str>k, b":"))
+            first = False
+            _dump(out, v, depth + 1)
+        out.append(b"}")
+    elif (t is list or t is tuple) and depth < MAX_DEPTH:
+        out.append(b"[")
+        first = True
+        for v in obj:
+            if not first:
+                out.append(b",")
+            first = False
+            _dump(out, v, depth + 1)
+        out.append(b"]")
+    else:
+        out.append(_py_dumps(obj))
+    return 0
+
+
+def dumps(obj) -> bytes:
+    """Compact UTF-8 JSON of ``obj`` (lone surrogates escaped): exactly
+    ``json.dumps(obj, ensure_ascii=False, separators=(",", ":"))``."""
+    cdef list out = []
+    _dump(out, obj, 0)
+    return b"".join(out)
+
+
+def frame(obj) -> bytes:
+    """One SSE event carrying ``obj`` as JSON."""
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 cdef bytes ROLE = b'"role":"assistant",'

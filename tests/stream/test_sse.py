@@ -53,6 +53,64 @@ def test_content_frame_is_exactly_json_dumps(twin: TwinSet, text: str) -> None:
         assert data == b"data: " + dumps(ref.chunk(event)) + b"\n\n"
 
 
+def _reference(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "afm.json_surrogates")
+
+
+_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**40), max_value=10**40)
+            | st.floats(allow_nan=True, allow_infinity=True) | st.text() | st.sampled_from([*TRICKY, "\ud800"]))
+_values = st.recursive(
+    _scalars,
+    lambda inner: (st.lists(inner, max_size=4) | st.lists(inner, max_size=3).map(tuple)
+                   | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+                   | st.dictionaries(st.integers() | st.booleans() | st.none() | st.floats(), inner,
+                                     max_size=2)),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_values)
+def test_dumps_is_exactly_json_dumps(obj: Any) -> None:
+    """Both twins' ``dumps`` (what the Anthropic, Responses and Completions
+    frames are written with) give ``json.dumps``'s bytes, lone surrogates
+    escaped, for any nesting of JSON's types, tuples and non-string keys."""
+    try:
+        ref = _reference(obj)
+    except (ValueError, TypeError) as exc:  # e.g. keys json rejects
+        for twin in (C, PY):
+            with pytest.raises(type(exc)):
+                twin.sse.dumps(obj)
+        return
+    assert C.sse.dumps(obj) == ref
+    assert PY.sse.dumps(obj) == ref
+    assert C.sse.frame(obj) == PY.sse.frame(obj) == b"data: " + ref + b"\n\n"
+
+
+def test_dumps_hands_the_unusual_to_json(twin: TwinSet) -> None:
+    """Subclasses, deep nesting and cycles come out (or fail) as json's do."""
+    import enum
+
+    class Kind(enum.IntEnum):
+        A = 3
+
+    class Name(str):
+        pass
+
+    deep: Any = "x"
+    for _ in range(200):
+        deep = [deep, {"k": deep}] if len(str(deep)) < 50 else [deep]
+    for obj in ({"kind": Kind.A, "name": Name("n"), Name("key"): 1.0}, deep, {"d": {2: [True]}},
+                {"n": float("nan"), "i": -float("inf"), "z": -0.0, "big": 10**30}):
+        assert twin.sse.dumps(obj) == _reference(obj)
+    cycle: list[Any] = []
+    cycle.append({"c": cycle})
+    with pytest.raises(ValueError, match="Circular reference"):
+        twin.sse.dumps(cycle)
+    with pytest.raises(TypeError):
+        twin.sse.dumps({"x": object()})
+
+
 def test_lone_surrogates_do_not_crash(twin: TwinSet) -> None:
     enc = encoder(twin)
     for text in ("\ud800", "a\udfffb", "\udc00\ud800"):
