@@ -207,6 +207,9 @@ class MessageStream:
         self.show_thinking = show_thinking
         self._content: list[dict[str, Any]] = []  # the Message's blocks so far
         self._args: dict[int, list[str]] = {}  # block index -> tool argument pieces
+        # block index -> text / thinking pieces, joined by message() (a string
+        # grown by += would copy the whole answer at every token)
+        self._pieces: dict[int, list[str]] = {}
         self._open: str | None = None  # the open block's kind
         self._tool_blocks: dict[int, int] = {}  # engine tool-call index -> block index
         self._blank = ""  # whitespace-only text held before a text block opens
@@ -336,6 +339,8 @@ class MessageStream:
             block = dict(block)
             if block["type"] == TOOL:
                 block["input"] = _tool_input("".join(self._args.get(i, ())))
+            elif block["type"] in (TEXT, THINKING):
+                block[block["type"]] = "".join(self._pieces.get(i, ()))
             content.append(block)
         out: dict[str, Any] = {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -419,7 +424,7 @@ class MessageStream:
             text, self._blank = self._blank + text, ""
             self._open_block({"type": "text", "text": ""}, TEXT, out)
         index = len(self._content) - 1
-        self._content[index]["text"] += text
+        self._pieces.setdefault(index, []).append(text)
         out.append({"type": "content_block_delta", "index": index,
                     "delta": {"type": "text_delta", "text": text}})
 
@@ -429,7 +434,7 @@ class MessageStream:
         if not self.show_thinking:
             return
         index = len(self._content) - 1
-        self._content[index]["thinking"] += text
+        self._pieces.setdefault(index, []).append(text)
         out.append({"type": "content_block_delta", "index": index,
                     "delta": {"type": "thinking_delta", "thinking": text}})
 

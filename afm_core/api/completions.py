@@ -367,6 +367,7 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
     :class:`StreamErrorChunk` with its error object."""
     head: dict[str, Any] | None = None
     choices: dict[int, dict[str, Any]] = {}
+    texts: dict[int, list[str]] = {}  # joined at the end (+= would copy the text per chunk)
     usage = None
     profiles: dict[str, Any] = {}
     for chunk in chunks:
@@ -382,7 +383,7 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for c in chunk["choices"]:
             got = choices.setdefault(c["index"], {"index": c["index"], "text": "", "logprobs": None,
                                                   "finish_reason": None})
-            got["text"] += c["text"]
+            texts.setdefault(c["index"], []).append(c["text"])
             lp = c["logprobs"]
             if lp is not None:
                 if got["logprobs"] is None:
@@ -394,6 +395,8 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 got["finish_reason"] = c["finish_reason"]
     if head is None:
         raise ValueError("no chunks to collect")
+    for i, got in choices.items():
+        got["text"] = "".join(texts[i])
     result = dict(head)
     result["choices"] = [choices[i] for i in sorted(choices)]
     result["usage"] = usage
