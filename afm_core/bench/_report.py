@@ -164,7 +164,8 @@ def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float
                    slots: Sequence[str], forms: dict[str, str] | None = None) -> dict[str, Any]:
     """For each served kind and API slot at one level:
 
-    * ``ratio``: the tokens/s ratio to the slot's raw target round by round
+    * ``ratio``: the tokens/s ratio to the slot's raw target (``raw``; in a
+      run without it, ``raw+kernels``) round by round
       (median, quartiles, min, max, by_round);
     * ``vs_reference_pct``: each round's ratio over the reference slot's
       ratio in the same round, minus 1, in % (the A/A slot ``chat#2`` shows
@@ -183,6 +184,8 @@ def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float
         for slot in slots:
             target = slot_target(kind, slot)
             raw = raw_of(RAW, slot, forms)
+            if raw not in by:  # a run without plain raw: raw with the engine's kernels
+                raw = raw_of(RAW_KERNELS, slot, forms)
             if target not in by or raw not in by or target == raw:
                 continue
             per_round[slot] = {r: ratio(tps[target][r], tps[raw].get(r)) for r in tps[target]}
@@ -306,12 +309,15 @@ def format_api_comparison(report: dict[str, Any]) -> list[str]:
         if not any(kind in e["api_comparison"] for e in entries):
             continue
         ref = entries[0]["api_comparison"]["reference"]
-        lines.append(f"{kind} ÷ raw, tokens/s, by wire API: median of {rounds} round(s) [min-max]; "
+        base = next(iter(entries[0]["api_comparison"].get(kind, {}).values()), {}).get("raw", RAW)
+        raw_name = split_target(base)[0]
+        lines.append(f"{kind} ÷ {raw_name}, tokens/s, by wire API: median of {rounds} round(s) "
+                     "[min-max]; "
                      f"vs {ref}: each round's ratio over {ref}'s in that round, -1 "
                      "(median [quartiles]); pooled: all rounds' tokens over their wall time; "
                      "CPU: ms per output token, all rounds (vs ref)")
-        cw = max(12, len(kind) + 6)
-        head = (f"{'level':<11} {'API':<14} {kind + ' ÷ raw':>{cw}} {'range':>15} "
+        cw = max(12, len(kind) + len(raw_name) + 3)
+        head = (f"{'level':<11} {'API':<14} {kind + ' ÷ ' + raw_name:>{cw}} {'range':>15} "
                 f"{'vs ' + ref:>10} {'quartiles':>18} {'pooled':>8} {'server CPU':>17} "
                 f"{'client CPU':>17} {'TTFT p50':>9} {'raw':>7}")
         lines += [head, "-" * len(head)]

@@ -163,6 +163,24 @@ def test_table_answers_the_comparison() -> None:
     assert "mlx_lm.server ÷ raw" in table
 
 
+def test_a_run_without_raw_compares_against_raw_with_kernels() -> None:
+    """``--targets raw_kernels,ours`` (a real model, whose plain raw decodes
+    at a few tokens/s): raw+kernels is every API's baseline."""
+    runs = (_runs("raw+kernels[chat]", [100, 100]) + _runs("ours[chat]", [90, 95], cpu=0.2)
+            + _runs("ours[messages]", [90, 90], cpu=0.2))
+    rep = build_report(runs, meta={}, skipped={},
+                       config={"rounds": 2, "api": "chat", "apis": ["chat", "messages"],
+                               "slots": ["chat", "messages"],
+                               "raw_forms": {"chat": "chat", "messages": "chat"}})
+    (entry,) = rep["levels"]
+    ours = entry["api_comparison"]["ours"]
+    assert ours["messages"]["raw"] == "raw+kernels[chat]"
+    assert ours["messages"]["ratio"]["by_round"] == pytest.approx([0.90, 0.90])
+    assert ours["messages"]["vs_reference_pct"]["by_round"] == pytest.approx([0.0, 100 * (90 / 95 - 1)])
+    assert "raw+kernels" not in entry["api_comparison"]  # the baseline is not compared with itself
+    assert "ours ÷ raw+kernels, tokens/s, by wire API" in format_table(rep)
+
+
 def test_one_api_report_has_no_comparison() -> None:
     runs = _runs("raw", [100, 100]) + _runs("ours", [90, 95])
     rep = build_report(runs, meta={}, config={"rounds": 2, "api": "messages"}, skipped={})
