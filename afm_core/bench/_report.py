@@ -309,8 +309,9 @@ def format_api_comparison(report: dict[str, Any]) -> list[str]:
         if not any(kind in e["api_comparison"] for e in entries):
             continue
         ref = entries[0]["api_comparison"]["reference"]
-        base = next(iter(entries[0]["api_comparison"].get(kind, {}).values()), {}).get("raw", RAW)
-        raw_name = split_target(base)[0]
+        rows: dict[str, Any] = next(e["api_comparison"][kind] for e in entries
+                                    if kind in e["api_comparison"])
+        raw_name = split_target(next(iter(rows.values()))["raw"])[0]
         lines.append(f"{kind} ÷ {raw_name}, tokens/s, by wire API: median of {rounds} round(s) "
                      "[min-max]; "
                      f"vs {ref}: each round's ratio over {ref}'s in that round, -1 "
