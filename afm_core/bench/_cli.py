@@ -7,9 +7,10 @@ Examples::
     afm bench --targets raw,peer --rate 5,20    # add open-loop Poisson levels
     afm bench --targets raw --url http://127.0.0.1:8080   # an already running server
     afm bench --api messages --targets raw,ours # Anthropic /v1/messages (also completions, responses)
-    afm bench --api chat,completions,messages,responses,chat --targets raw,ours --rounds 5
-                                                # every API in one run, each ratio to raw in the
-                                                # same time window; chat twice: an A/A control
+    afm bench --api chat,completions,messages,responses,chat --targets raw,ours
+              --concurrency 1 --requests 1 --rounds 500
+                                                # (one command) every API in one run on the same
+                                                # prompts, request by request; chat twice: A/A
     afm bench --real-model                      # default model: raw, peer, ours vs llama.cpp
     afm bench --real-model --rounds 1 --batch-requests 8 --targets ours,llamacpp
 """
