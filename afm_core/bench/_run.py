@@ -381,8 +381,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     stack.push_async_callback(runner.aclose)
                     await runner.load()
                     counts = await runner.prompt_tokens(workload)  # tokenized before timing
-                    if not kernels:
-                        raw_tokens[form] = counts
+                    raw_tokens.setdefault(form, counts)  # raw+kernels tokenizes as raw does
                     runners[form] = runner
             if not multi:
                 return {"": _Raw(runners[forms[cfg.api]], workload, cfg)}

@@ -283,3 +283,24 @@ def test_multi_round_balances_what_runs_after_a_served_level() -> None:
     assert sorted(after_served) == ["r0", "r0", "r0", "r1", "r1", "r1"]
     assert all(sorted(row) == sorted([*raws, "s0", "s1", "p1", "s2"]) for row in rounds)
     assert multi_round([], served, 1) == ["s1", "p1", "s2", "s0"]
+
+
+def test_several_apis_against_raw_with_kernels(random_model_dir: Path, tmp_path: Path) -> None:
+    """Without plain raw, raw+kernels is the baseline and the prompt-token
+    check still runs (raw+kernels tokenizes as raw does)."""
+    from afm_core._cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw_kernels,ours",
+               "--api", "chat,messages", "--rounds", "2", "--concurrency", "1",
+               "--requests", "2", "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
+               "--request-timeout", "20", "--level-timeout", "30", "--time-budget", "90",
+               "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["targets"][0] == "raw+kernels[chat]"
+    assert entry_vs_raw_targets(rep) == {"ours[chat]": "raw+kernels[chat]",
+                                         "ours[messages]": "raw+kernels[chat]"}
+    checks = rep["checks"]["prompt_tokens_vs_raw"]
+    assert set(checks) == {"ours[chat]", "ours[messages]"}
+    assert all(c["checked"] == 4 and c["mismatched"] == 0 for c in checks.values()), checks
