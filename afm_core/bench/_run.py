@@ -25,9 +25,9 @@ the order of a Williams design (``round_order``: over a few rounds every
 slot runs in every position and right after every other slot equally
 often, so neither position nor what ran just before favours an API); every
 other round the raw targets move to the end, in an order rotated every two
-rounds, so each is the one right after a served level equally often.
-A served level also measures the server
-process's CPU time (``server_cpu_s``, where the OS tells it).
+rounds, so each is the one right after a served level equally often.  A
+served level also measures the server process's CPU time (``server_cpu_s``,
+where the OS tells it).
 """
 
 from __future__ import annotations
