@@ -231,17 +231,24 @@ def test_completions_sends_the_chat_template_in_a_run_over_several_apis(
         assert body(job, "chat", model=None) == body(was, "chat", model=None)
 
 
-def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None:
+def _short_run(model: Path, out: Path, *, targets: str, apis: str, concurrency: int,
+               requests: int) -> dict:
+    """A two-round ``afm bench`` over several APIs on the tiny model: its report."""
     from afm_core._cli import main
 
-    out = tmp_path / "bench"
-    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw,ours",
-               "--api", "chat,completions,chat", "--rounds", "2", "--concurrency", "2",
-               "--requests", "3", "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
+    rc = main(["bench", "--model", str(model), "--targets", targets, "--api", apis,
+               "--rounds", "2", "--concurrency", str(concurrency), "--requests", str(requests),
+               "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
                "--request-timeout", "20", "--level-timeout", "30", "--time-budget", "90",
                "--out", str(out)])
     assert rc == 0
-    rep = json.loads((out / "report.json").read_text())
+    return json.loads((out / "report.json").read_text())
+
+
+def test_several_apis_in_one_run(random_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    rep = _short_run(random_model_dir, out, targets="raw,ours", apis="chat,completions,chat",
+                     concurrency=2, requests=3)
     assert rep["config"]["interleave"] is True  # implied
     assert rep["config"]["slots"] == ["chat", "completions", "chat#2"]
     # one raw target (completions sends the template's text), then the served slots
@@ -288,16 +295,8 @@ def test_multi_round_balances_what_runs_after_a_served_level() -> None:
 def test_several_apis_against_raw_with_kernels(random_model_dir: Path, tmp_path: Path) -> None:
     """Without plain raw, raw+kernels is the baseline and the prompt-token
     check still runs (raw+kernels tokenizes as raw does)."""
-    from afm_core._cli import main
-
-    out = tmp_path / "bench"
-    rc = main(["bench", "--model", str(random_model_dir), "--targets", "raw_kernels,ours",
-               "--api", "chat,messages", "--rounds", "2", "--concurrency", "1",
-               "--requests", "2", "--max-tokens", "4", "--prompt-words", "8:16", "--warmup", "1",
-               "--request-timeout", "20", "--level-timeout", "30", "--time-budget", "90",
-               "--out", str(out)])
-    assert rc == 0
-    rep = json.loads((out / "report.json").read_text())
+    rep = _short_run(random_model_dir, tmp_path / "bench", targets="raw_kernels,ours",
+                     apis="chat,messages", concurrency=1, requests=2)
     assert rep["targets"][0] == "raw+kernels[chat]"
     assert entry_vs_raw_targets(rep) == {"ours[chat]": "raw+kernels[chat]",
                                          "ours[messages]": "raw+kernels[chat]"}
