@@ -309,20 +309,17 @@ def _chat_renderer(model_dir: str) -> Any:
 
 
 def _prompt_token_check(runs: list[RunResult], raw_tokens: dict[str, list[int]],
-                        workload: Workload, api: str,
-                        forms: dict[str, str] | None = None) -> dict[str, Any]:
+                        workload: Workload, api: str, forms: dict[str, str]) -> dict[str, Any]:
     """Does each server count the same prompt tokens as the raw path?
     ``raw_tokens`` is raw's count of every job by prompt form (``forms``,
-    by API; ``_apis.prompt_form`` by default); a target's API is its
-    slot's, else ``api``."""
-    form_of = (forms or {}).get
+    by API: ``run_form``); a target's API is its slot's, else ``api``."""
     out: dict[str, Any] = {}
     for run in runs:
         kind, slot = split_target(run.target)
         if kind in (RAW, RAW_KERNELS):
             continue
         target_api = slot_api(slot) if slot is not None else api
-        counts = raw_tokens.get(form_of(target_api) or prompt_form(target_api))
+        counts = raw_tokens.get(forms[target_api])
         if not counts:
             continue
         seen = [(r.index, r.prompt_tokens) for r in run.requests if r.prompt_tokens is not None]
