@@ -205,8 +205,7 @@ def api_comparison(by: dict[str, dict[str, Any]], tps: dict[str, dict[int, float
             for slot, row in rows.items():
                 if slot == ref:
                     continue
-                diffs = [None if (a := ratio(x, base.get(r))) is None else (a - 1.0) * 100.0
-                         for r, x in per_round[slot].items()]
+                diffs = [_pct_over(x, base.get(r)) for r, x in per_round[slot].items()]
                 row["vs_reference_pct"] = _spread(diffs)
                 for key in ("pooled_ratio", "server_cpu_ms_per_token", "client_cpu_ms_per_token"):
                     row[key.removesuffix("_ratio") + "_vs_reference_pct"] = _pct_over(
