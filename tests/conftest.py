@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,13 @@ def echo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("random"))
+
+
+def pytest_report_header() -> list[str]:
+    """Which CPU paths this run exercises (tests/test_kernel_paths.py reruns the others)."""
+    from afm_core._mlx import qmatmul
+    from afm_core._mlx.blas import blas_info
+
+    isa = qmatmul.kernel_isa()
+    forced = " (AFM_QMM_ISA)" if os.environ.get("AFM_QMM_ISA") else ""
+    return [f"afm kernels: {isa or 'none (MLX kernels)'}{forced}; BLAS: {blas_info().describe()}"]
