@@ -70,7 +70,7 @@ def _train(pre_tokenizer: Any) -> Any:
     return tok
 
 
-def _bpe_meta(tok: Any, pre: str = "default", **kw: Any) -> dict[str, Any]:
+def _bpe_meta(tok: Any, pre: str = "gpt-2", **kw: Any) -> dict[str, Any]:
     state = json.loads(tok.to_str())
     merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
     return gw.bpe_metadata(

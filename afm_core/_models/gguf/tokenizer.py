@@ -142,7 +142,7 @@ def _gpt2_parts(vocab: Vocab, ids: dict[str, int]) -> dict[str, Any]:
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
                   "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
                   "byte_fallback": False, "ignore_merges": pre.ignore_merges, "vocab": ids,
-                  "merges": _bpe_merges(vocab, ids)},  # fmt: skip
+                  "merges": _bpe_merges(vocab, ids)},
     }
 
 
@@ -166,7 +166,7 @@ def _spm_parts(vocab: Vocab, ids: dict[str, int]) -> dict[str, Any]:
         "model": {"type": "BPE", "dropout": None, "unk_token": unk,
                   "continuing_subword_prefix": None, "end_of_word_suffix": None,
                   "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                  "vocab": ids, "merges": _spm_merges(vocab, ids)},  # fmt: skip
+                  "vocab": ids, "merges": _spm_merges(vocab, ids)},
     }
 
 

@@ -36,15 +36,15 @@ __all__ = ["Vocab", "read_vocab"]
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 2, 3, 4, 5, 6
 
 EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>",
              "<end_of_utterance>")  # fmt: skip
 FIM_TEXTS: dict[str, tuple[str, ...]] = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+                "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+                "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+                "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
@@ -53,7 +53,7 @@ EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 })  # fmt: skip
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
 
@@ -209,15 +209,15 @@ def _mark_by_text(vocab: Vocab) -> None:
         if text in by_text:
             types[by_text[text]] = USER_DEFINED
     eog.update(ids[k] for k in ("eos", "eot", "eom") if k in ids)
-    texts = {vocab.tokens[i]: i for i in eog}
-    if "<|end|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts) and (
-        "<|return|>" in texts or "<|flush|>" in texts
+    eog_text = {vocab.tokens[i]: i for i in eog}
+    if "<|end|>" in eog_text and ("<|call|>" in eog_text or "<|calls|>" in eog_text) and (
+        "<|return|>" in eog_text or "<|flush|>" in eog_text
     ):
-        eog.discard(texts["<|end|>"])
-        types[texts["<|end|>"]] = USER_DEFINED
-    if "<|tool_response>" in texts and "</s>" in texts:
-        eog.discard(texts["</s>"])
-        types[texts["</s>"]] = NORMAL
+        eog.discard(eog_text["<|end|>"])
+        types[eog_text["<|end|>"]] = USER_DEFINED
+    if "<|tool_response>" in eog_text and "</s>" in eog_text:
+        eog.discard(eog_text["</s>"])
+        types[eog_text["</s>"]] = NORMAL
     vocab.eog_ids = eog
 
 

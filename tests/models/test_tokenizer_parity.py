@@ -1,0 +1,115 @@
+"""The GGUF tokenizer rebuild gives llama.cpp's token ids.
+
+Default suite: ids stored in ``data/tokenizer_llamacpp.json`` (produced by
+llama.cpp, ``python -m tests.models.tokenizer_ref``) for tiny vocabularies,
+one per pre-tokenizer family and SentencePiece variant, and for pruned copies
+of three real vocabularies (Qwen2.5-Coder, Gemma 3, SmolLM2); the rebuilt
+``tokenizer.json`` must give exactly those ids, through ``tokenizers`` and
+through ``transformers.AutoTokenizer`` as mlx-lm loads it.
+
+Opt-in (``AFM_LLAMACPP_TESTS=1``, with ``xllamacpp`` installed): the same
+against llama.cpp live, on tiny GGUF files written here and on the real GGUF
+files of ``AFM_REAL_GGUF_DIR`` (default ``/work/gguf``) over the whole corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from afm_core._models.gguf.tokenizer import build_tokenizer_files
+
+from . import tokenizer_ref as ref
+from .tokenizer_corpus import corpus
+
+FIXTURE = json.loads(ref.DATA.read_text())
+TEXTS = ref.fixture_texts()
+LIVE = os.environ.get("AFM_LLAMACPP_TESTS", "") not in ("", "0")
+
+
+def _tokenizer(meta: dict[str, Any]) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(json.dumps(build_tokenizer_files(meta)["tokenizer.json"]))
+
+
+def _expected(rows: list[str]) -> list[list[int]]:
+    return [[int(i) for i in row.split()] for row in rows]
+
+
+def _mismatches(tok: Any, texts: list[str], expected: list[list[int]], remap: Any = None) -> list[str]:
+    bad = []
+    for text, want in zip(texts, expected, strict=True):
+        got = tok.encode(text, add_special_tokens=True).ids
+        if remap is not None:
+            got = [remap[i] for i in got]
+        if got != want:
+            bad.append(f"{text!r}: llama.cpp {want} afm {got}")
+    return bad
+
+
+CASES = ref.tiny_cases(FIXTURE["vocabs"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tiny_vocabulary_matches_llamacpp(name: str) -> None:
+    bad = _mismatches(_tokenizer(CASES[name]), TEXTS, _expected(FIXTURE["expected"][name]))
+    assert not bad, f"{len(bad)} of {len(TEXTS)} differ:\n" + "\n".join(bad[:10])
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE["real"]))
+def test_real_vocabulary_matches_llamacpp(name: str) -> None:
+    case = FIXTURE["real"][name]
+    bad = _mismatches(_tokenizer(case["metadata"]), TEXTS, _expected(case["expected"]), remap=case["ids"])
+    assert not bad, f"{len(bad)} of {len(TEXTS)} differ:\n" + "\n".join(bad[:10])
+
+
+@pytest.mark.parametrize("name", ["bpe-llama-bpe", "spm-noprefix", "gemma-3"])
+def test_autotokenizer_as_mlx_lm_loads_it(name: str, tmp_path: Path) -> None:
+    """The files on disk, read by transformers (as mlx-lm does), give the same ids."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    case = FIXTURE["real"].get(name)
+    meta = case["metadata"] if case else CASES[name]
+    files = build_tokenizer_files(meta)
+    for file, doc in files.items():
+        (tmp_path / file).write_text(json.dumps(doc, ensure_ascii=False))
+    hf = load_tokenizer(tmp_path)._tokenizer
+    expected = _expected(case["expected"] if case else FIXTURE["expected"][name])
+    for text, want in zip(TEXTS, expected, strict=True):
+        got = hf.encode(text)
+        assert (got if case is None else [case["ids"][i] for i in got]) == want, text
+
+
+# --- opt-in: llama.cpp itself ---------------------------------------------------------
+
+live = pytest.mark.skipif(not LIVE, reason="set AFM_LLAMACPP_TESTS=1 (needs xllamacpp) to compare with llama.cpp live")
+
+
+@live
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_live_tiny_vocabulary(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("xllamacpp")
+    texts = corpus()
+    want = ref.llamacpp_tokenize(ref.write_gguf(tmp_path / "t.gguf", CASES[name]), texts)
+    bad = _mismatches(_tokenizer(CASES[name]), texts, want)
+    assert not bad, f"{len(bad)} of {len(texts)} differ:\n" + "\n".join(bad[:10])
+
+
+@live
+@pytest.mark.parametrize("name", sorted(ref.REAL_FILES))
+def test_live_real_gguf(name: str) -> None:
+    pytest.importorskip("xllamacpp")
+    path = Path(os.environ.get("AFM_REAL_GGUF_DIR", "/work/gguf")) / ref.REAL_FILES[name]
+    if not path.exists():
+        path = Path.home() / ".cache" / "afm" / "downloads" / ref.REAL_FILES[name]
+    if not path.exists():
+        pytest.skip(f"{ref.REAL_FILES[name]} not found")
+    texts = corpus()
+    meta = dict(ref._read_metadata(path))
+    bad = _mismatches(_tokenizer(meta), texts, ref.llamacpp_tokenize(path, texts))
+    assert not bad, f"{len(bad)} of {len(texts)} differ:\n" + "\n".join(bad[:10])
