@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 
 
 def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
+    """The chat template's text for ``request``.
+
+    A model without a chat template (a base model) refuses chat with a 400
+    that points at ``/v1/completions``.  A template that does not read
+    ``tools`` gets them from afm instead (:mod:`afm_core._models.templates`),
+    never dropped.
+    """
+    if not info.chat_template:
+        raise UnsupportedError(
+            f"model {info.id!r} has no chat template (a base model): send a raw prompt to "
+            "/v1/completions instead, or use an instruct model", param="messages")
     use_tools = bool(request.tools) and request.tool_choice != "none"
     kwargs: dict[str, Any] = dict(request.chat_template_kwargs)
     if request.enable_thinking is not None:
@@ -37,20 +48,37 @@ def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
     if request.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", request.reasoning_effort)
     messages = [dict(m) for m in request.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=list(request.tools) if use_tools and request.tools else None,
-            add_generation_prompt=True,
-            tokenize=False,
-            **kwargs,
-        )
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's
-        raise RequestError(f"the chat template could not render these messages: {exc}",
-                           param="messages") from None
+    tools = list(request.tools) if use_tools and request.tools else None
+    attempts = [(messages, tools)]
+    if not info.template_tools and (tools or _has_tool_turns(messages)):
+        attempts = [(_polyfill(request, messages, tools, system_role), None)
+                    for system_role in (True, False)]
+    for i, (msgs, tmpl_tools) in enumerate(attempts):
+        try:
+            text = tokenizer.apply_chat_template(
+                msgs, tools=tmpl_tools, add_generation_prompt=True, tokenize=False, **kwargs)
+            break
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's
+            if i + 1 < len(attempts):
+                continue  # e.g. a template that refuses a system message
+            raise RequestError(f"the chat template could not render these messages: {exc}",
+                               param="messages") from None
     if not isinstance(text, str):
         raise RequestError("the chat template did not produce text", param="messages")
     return text
+
+
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def _polyfill(request: ChatRequest, messages: list[dict[str, Any]], tools: list[Any] | None,
+              system_role: bool) -> list[dict[str, Any]]:
+    from .._models.templates import polyfill_tool_messages
+
+    return polyfill_tool_messages(messages, tools, tool_choice=request.tool_choice,
+                                  parallel_tool_calls=request.parallel_tool_calls,
+                                  system_role=system_role)
 
 
 def think_mode(prompt_text: str, request: ChatRequest, info: ModelInfo) -> ThinkMode:

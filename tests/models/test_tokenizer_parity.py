@@ -113,3 +113,48 @@ def test_live_real_gguf(name: str) -> None:
     meta = dict(ref._read_metadata(path))
     bad = _mismatches(_tokenizer(meta), texts, ref.llamacpp_tokenize(path, texts))
     assert not bad, f"{len(bad)} of {len(texts)} differ:\n" + "\n".join(bad[:10])
+
+
+# --- end of generation ------------------------------------------------------------------
+
+
+def test_every_end_of_turn_token_stops_generation(tmp_path: Path) -> None:
+    """llama.cpp's EOG set (EOS, end-of-turn and FIM markers, control-looking
+    texts) reaches mlx-lm's stop set through generation_config.json."""
+    import mlx_lm
+
+    from afm_core._models.gguf.convert import convert_gguf
+
+    meta = CASES["bpe-qwen2"]
+    tokens = meta["tokenizer.ggml.tokens"]
+    out = convert_gguf(ref.write_gguf(tmp_path / "t.gguf", meta), tmp_path / "m")
+    _, tokenizer = mlx_lm.load(str(out))
+    eog = {tokens[i] for i in tokenizer.eos_token_ids}
+    assert eog == {"<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|fim_pad|>", "</s>"}
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == sorted(
+        tokens.index(t) for t in eog)
+    # "</s>" and "<|fim_pad|>" are normal entries in the file: llama.cpp makes them control tokens
+    hf = tokenizer._tokenizer
+    assert hf.encode("a</s>b", add_special_tokens=False)[1] == tokens.index("</s>")
+    assert hf.decode([tokens.index("<|im_end|>")], skip_special_tokens=True) == ""
+
+
+def test_vocabulary_errors_are_clear() -> None:
+    from afm_core._errors import GGUFError
+
+    meta = dict(CASES["bpe-qwen2"])
+    with pytest.raises(GGUFError, match=r"tokenizer.ggml.pre='unknown-pre'.*supported: .*llama-bpe"):
+        build_tokenizer_files({**meta, "tokenizer.ggml.pre": "unknown-pre"})
+    with pytest.raises(GGUFError, match=r"tokenizer.ggml.model='bert'"):
+        build_tokenizer_files({**meta, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(GGUFError, match=r"has no tokenizer"):
+        build_tokenizer_files({"general.architecture": "llama"})
+    with pytest.raises(GGUFError, match=r"without tokenizer.ggml.merges"):
+        build_tokenizer_files({k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"})
+    tiny = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": list("abc"),
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.add_bos_token": True}  # BPE's default BOS 11: none
+    with pytest.raises(GGUFError, match=r"add_bos_token is true, but tokenizer.ggml.bos_token_id"):
+        build_tokenizer_files(tiny)
+    spm = {k: v for k, v in CASES["spm-prefix"].items() if k != "tokenizer.ggml.scores"}
+    with pytest.raises(GGUFError, match=r"without tokenizer.ggml.scores"):
+        build_tokenizer_files(spm)
