@@ -38,6 +38,8 @@ from ._errors import UnsupportedError as UnsupportedError
 from ._models import architectures as _architectures
 from ._models.gguf.convert import convert_gguf as convert_gguf
 from ._models.resolve import resolve_model as resolve_model
+from ._models.stores import LocalModel as LocalModel
+from ._models.stores import local_models as local_models
 from ._stream.accumulate import ChunkAccumulator as ChunkAccumulator
 from ._stream.accumulate import accumulate as accumulate
 from ._stream.detok import DecoderTables as DecoderTables
@@ -94,6 +96,7 @@ __all__ = [
     "GGUFError",
     "GenerationError",
     "IncrementalDetokenizer",
+    "LocalModel",
     "LogprobsDelta",
     "ModelLoadError",
     "Profile",
@@ -123,6 +126,7 @@ __all__ = [
     "convert_gguf",
     "guess_tool_format",
     "init_distributed",
+    "local_models",
     "make_structured_output",
     "make_tool_tracker",
     "open_engine",

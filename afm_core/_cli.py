@@ -24,6 +24,7 @@ _HELP: dict[str, str] = {
     "testing": "offline test models (make-model)",
     "convert-gguf": "convert a llama GGUF file to an mlx-lm directory",
     "fetch-default": "fetch and convert the embedded default model",
+    "models": "list the models Ollama, LM Studio and the Hugging Face cache hold locally",
     "bench": "benchmark a served model against raw mlx-lm and peers",
     "deploy": "write the configuration that runs afm replicas behind a balancer (haproxy)",
 }

@@ -46,6 +46,7 @@ from afm_core import (
     EngineConfig,
     ModelLoadError,
     RequestError,
+    local_models,
     open_engine,
 )
 
@@ -115,11 +116,14 @@ def model_spec(source: str | Path) -> ModelSpec:
 
 def models_in_dir(directory: str | Path) -> list[ModelSpec]:
     """The models in ``directory`` (``--models-dir``), by name: each subdirectory
-    that is an mlx-lm model (``config.json`` and weights) and each ``.gguf`` file."""
+    that is an mlx-lm model (``config.json`` and weights) and each ``.gguf`` file;
+    for a local store's folder (Ollama's, LM Studio's, the Hugging Face cache),
+    each of its models under its store name (``qwen2.5-coder:0.5b``,
+    ``publisher/repo/file.gguf``, ``org/name``)."""
     root = Path(directory).expanduser()
     if not root.is_dir():
         raise ModelLoadError(f"--models-dir {root} is not a directory")
-    found = []
+    found = [ModelSpec(m.name.partition(":")[2], str(m.path), m.size) for m in local_models(root)]
     for child in sorted(root.iterdir(), key=lambda p: p.name):
         if child.name.startswith("."):
             continue

@@ -208,9 +208,11 @@ def fetch_default_gguf(home: str | os.PathLike[str] | None = None, *, progress: 
 def default_model_dir(home: str | os.PathLike[str] | None = None, *, dequantize: bool | None = None) -> Path:
     """Where the converted default model lives (whether or not it exists yet)."""
     from .gguf.convert import CONVERTER_VERSION
+    from .gguf.tokenizer import TOKENIZER_VERSION
 
     variant = "f32" if resolve_dequantize(dequantize) else "q-f32"
-    return afm_home(home) / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-v{CONVERTER_VERSION}-{variant}"
+    version = f"v{CONVERTER_VERSION}t{TOKENIZER_VERSION}"
+    return afm_home(home) / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-{version}-{variant}"
 
 
 def resolve_dequantize(dequantize: bool | None) -> bool:

@@ -7,18 +7,28 @@
 * a ``.gguf`` file: converted once into ``$AFM_HOME/models/gguf-*``, keyed by
   the file's resolved path, size and mtime plus the converter version;
 * a local mlx-lm directory (one with ``config.json``): used as is;
-* a Hugging Face repo id (``org/name``): the local hub cache if it has it,
-  else downloaded with mlx-lm's hub download; failing with a clear
-  :class:`ModelLoadError` when the hub is unreachable.
+* a model of a local store (:mod:`afm_core._models.stores`, offline):
+  ``ollama:NAME[:TAG]`` (or a bare ``name:tag`` when no file or directory
+  has that name), ``lmstudio:PUBLISHER/REPO[/FILE.gguf]``, ``hf:ORG/NAME``
+  (a snapshot of the Hugging Face cache); a bare ``org/name`` is looked up in
+  the Hugging Face cache, then LM Studio's folder;
+* a Hugging Face repo id (``org/name``) found in no store: downloaded with
+  mlx-lm's hub download; failing with a clear :class:`ModelLoadError` when
+  the hub is unreachable.
+
+GGUF files (a store's included) are converted once and cached, keyed by the
+file and the converter's and tokenizer builder's versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .._errors import ModelLoadError
@@ -49,11 +59,12 @@ def gguf_cache_dir(
 ) -> Path:
     """The cache directory a GGUF file converts into (existing or not)."""
     from .gguf.convert import CONVERTER_VERSION
+    from .gguf.tokenizer import TOKENIZER_VERSION
 
     path = Path(gguf).resolve()
     st = path.stat()
     deq = _dequantize_for(path, dequantize)
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}|deq={deq}"
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}|t{TOKENIZER_VERSION}|deq={deq}"
     digest = hashlib.sha256(key.encode("utf-8", errors="surrogateescape")).hexdigest()[:16]
     stem = re.sub(r"[^\w.-]+", "_", path.stem)[:64]
     return afm_home(home) / "models" / f"gguf-{stem}-{digest}"
@@ -79,8 +90,22 @@ def _resolve_gguf(path: Path, home: Path, dequantize: bool | None, say: Progress
             remove_partials(out)
             say(f"converting {path} into {out} (once; later starts reuse it)")
             deq = _dequantize_for(path, dequantize)
-            convert_gguf(path, out, dequantize=deq, overwrite=True, progress=say)
+            with _gguf_named(path, out.parent) as src:
+                convert_gguf(src, out, dequantize=deq, overwrite=True, progress=say)
     return out
+
+
+@contextlib.contextmanager
+def _gguf_named(path: Path, scratch: Path) -> Iterator[Path]:
+    """``path`` under a ``.gguf`` name (a store's blob has none; readers go by it)."""
+    if path.suffix.lower() == ".gguf":
+        yield path
+        return
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".link-", dir=scratch) as tmp:
+        link = Path(tmp) / f"{path.name}.gguf"
+        link.symlink_to(path.resolve())
+        yield link
 
 
 def _is_gguf_file(path: Path) -> bool:
@@ -142,10 +167,18 @@ def resolve_model(
         if _is_gguf_file(path):
             return _resolve_gguf(path, root, dequantize, say)
         raise ModelLoadError(f"{path} is neither a .gguf file nor an mlx-lm model directory")
+    from .stores import find_in_stores
+
+    found = find_in_stores(text)
+    if found is not None:
+        say(f"{text} is {found}")
+        return resolve_model(found, home=home, dequantize=dequantize, progress=progress)
     looks_local = text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or os.sep + os.sep in text
     if looks_local or not _REPO_ID.match(text):
         raise ModelLoadError(
-            f"model {text!r} not found: expected a local mlx-lm directory, a .gguf file "
-            "or a Hugging Face repo id such as 'mlx-community/SmolLM2-135M-Instruct'"
+            f"model {text!r} not found: expected a local mlx-lm directory, a .gguf file, "
+            "a local store's model (ollama:NAME:TAG, lmstudio:PUBLISHER/REPO, hf:ORG/NAME; "
+            "`afm models` lists them) or a Hugging Face repo id such as "
+            "'mlx-community/SmolLM2-135M-Instruct'"
         )
     return _resolve_hub(text, say)

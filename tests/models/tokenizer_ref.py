@@ -167,6 +167,9 @@ def write_gguf(path: Path, meta: Mapping[str, Any]) -> Path:
     w.add_head_count_kv(2)
     w.add_rope_dimension_count(dim // 2)
     w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # all F32
+    if "tokenizer.chat_template" in meta:
+        w.add_chat_template(meta["tokenizer.chat_template"])
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])

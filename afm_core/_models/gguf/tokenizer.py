@@ -41,7 +41,10 @@ from ..._errors import GGUFError
 from .pretokenize import bpe_pre_tokenizer, supported_pre_names
 from .vocab import CONTROL, UNKNOWN, Vocab, read_vocab
 
-__all__ = ["build_tokenizer_files"]
+__all__ = ["TOKENIZER_VERSION", "build_tokenizer_files"]
+
+#: Bumped whenever the files built here change (GGUF conversion caches key on it).
+TOKENIZER_VERSION = 2
 
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 SPACE = "\u2581"
