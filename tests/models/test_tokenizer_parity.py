@@ -158,3 +158,25 @@ def test_vocabulary_errors_are_clear() -> None:
     spm = {k: v for k, v in CASES["spm-prefix"].items() if k != "tokenizer.ggml.scores"}
     with pytest.raises(GGUFError, match=r"without tokenizer.ggml.scores"):
         build_tokenizer_files(spm)
+
+
+def test_chat_templates_from_the_file(tmp_path: Path) -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from afm_core._models.loader import _default_template
+
+    meta = {**CASES["bpe-qwen2"], "tokenizer.chat_template": "{{ 'plain' }}",
+            "tokenizer.chat_template.tool_use": "{{ tools | length }} tools"}
+    files = build_tokenizer_files(meta)
+    assert files["tokenizer_config.json"]["chat_template"] == [
+        {"name": "default", "template": "{{ 'plain' }}"}, {"name": "tool_use", "template": "{{ tools | length }} tools"}]
+    for file, doc in files.items():
+        (tmp_path / file).write_text(json.dumps(doc, ensure_ascii=False))
+    hf = load_tokenizer(tmp_path)._tokenizer
+    msgs = [{"role": "user", "content": "x"}]
+    assert hf.apply_chat_template(msgs, tokenize=False) == "plain"
+    assert hf.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}],
+                                  tokenize=False) == "1 tools"
+    assert _default_template(hf.chat_template) == "{{ tools | length }} tools"
+    assert "chat_template" not in build_tokenizer_files({**CASES["bpe-qwen2"], "tokenizer.chat_template": " "})[
+        "tokenizer_config.json"]

@@ -198,6 +198,18 @@ def _context_length(metadata: Mapping[str, Any]) -> int:
     return int(metadata.get(f"{arch}.context_length", 0) or 1 << 20)
 
 
+def _chat_template(metadata: Mapping[str, Any]) -> str | list[dict[str, str]] | None:
+    """``tokenizer.chat_template``; with named ones (``tokenizer.chat_template.<name>``,
+    e.g. ``tool_use``) the list of named templates transformers reads."""
+    default = metadata.get("tokenizer.chat_template")
+    named = {key.removeprefix("tokenizer.chat_template."): value for key, value in metadata.items()
+             if key.startswith("tokenizer.chat_template.") and isinstance(value, str) and value.strip()}
+    if not named:
+        return default if isinstance(default, str) and default.strip() else None
+    templates = [{"name": "default", "template": default}] if isinstance(default, str) and default.strip() else []
+    return templates + [{"name": name, "template": text} for name, text in sorted(named.items())]
+
+
 def build_tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The JSON documents of a Hugging Face tokenizer for a GGUF's metadata.
 
@@ -224,8 +236,8 @@ def build_tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, dict[str, An
         "clean_up_tokenization_spaces": False,
         "model_max_length": _context_length(metadata),
     }
-    template = metadata.get("tokenizer.chat_template")
-    if isinstance(template, str) and template.strip():
+    template = _chat_template(metadata)
+    if template:
         config["chat_template"] = template
     generation: dict[str, Any] = {"eos_token_id": sorted(vocab.eog_ids)}
     if "bos" in vocab.special_ids:
