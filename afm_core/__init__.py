@@ -57,8 +57,6 @@ from ._stream.events import ToolCallDelta as ToolCallDelta
 from ._stream.events import TopLogprob as TopLogprob
 from ._stream.events import Usage as Usage
 from ._stream.reasoning import ReasoningSplitter as ReasoningSplitter
-from ._stream.request import ChatRequest as ChatRequest
-from ._stream.request import CompletionRequest as CompletionRequest
 from ._stream.sse import SSEEncoder as SSEEncoder
 from ._stream.structured import StructuredOutput as StructuredOutput
 from ._stream.structured import StructuredResult as StructuredResult
@@ -68,6 +66,8 @@ from ._stream.toolcalls.base import ToolCallFailure as ToolCallFailure
 from ._stream.toolcalls.registry import guess_tool_format as guess_tool_format
 from ._stream.toolcalls.registry import make_tool_tracker as make_tool_tracker
 from ._stream.tools import ToolCallTracker as ToolCallTracker
+from .api.chat_request import ChatRequest as ChatRequest
+from .api.completions_request import CompletionRequest as CompletionRequest
 
 _architectures.register()
 

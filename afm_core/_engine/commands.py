@@ -49,7 +49,8 @@ from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, TopLogprob
 from .._stream.pipeline import StreamPipeline
-from .._stream.request import ChatRequest, CompletionRequest
+from ..api.chat_request import ChatRequest
+from ..api.completions_request import CompletionRequest
 from .mailbox import Mailbox
 from .profile import ProfileRecorder
 

@@ -50,7 +50,8 @@ from .._errors import (
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
-from .._stream.request import ChatRequest, CompletionRequest
+from ..api.chat_request import ChatRequest
+from ..api.completions_request import CompletionRequest
 from .commands import (
     Embed,
     Job,

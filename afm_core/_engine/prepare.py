@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from .._errors import AdapterNotFoundError, ContextLengthError, RequestError, UnsupportedError
 from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
-from .._stream.request import ChatRequest, CompletionRequest
+from ..api.chat_request import ChatRequest
+from ..api.completions_request import CompletionRequest
 from . import grammar as g
 from .commands import Job, JobKey
 from .config import EngineConfig

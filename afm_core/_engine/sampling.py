@@ -20,7 +20,8 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from .._stream.request import ChatRequest, CompletionRequest
+from ..api.chat_request import ChatRequest
+from ..api.completions_request import CompletionRequest
 
 Request = ChatRequest | CompletionRequest
 """What the sampling settings are read from (both have the same fields)."""

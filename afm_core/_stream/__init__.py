@@ -1,7 +1,6 @@
 """The sans-IO stream core: per-token work that turns model output into wire events.
 
-Owns: request validation (:mod:`.request`, and the body validators every
-wire API shares, :mod:`.validate`), the event records (:mod:`.events`),
+Owns: the event records (:mod:`.events`),
 the incremental detokenizer, the reasoning splitter, the tool-call fragment
 tracker and one module per tool-call wire format (:mod:`.toolcalls`), stop
 strings, the structured-output sanitizer, the per-stream pipeline that chains

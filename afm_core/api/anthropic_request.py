@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
-from .._stream.request import ChatRequest
-from .._stream.validate import as_float, json_object
+from ._validate import as_float, json_object
+from .chat_request import ChatRequest
 
 __all__ = [
     "MAX_STOP_SEQUENCES",

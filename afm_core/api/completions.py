@@ -67,9 +67,10 @@ from .._stream.events import (
     Usage,
     clamp_logprob,
 )
-from .._stream.request import MAX_N, CompletionRequest, completion_prompts
 from .._stream.sse import DONE, frame
-from .._stream.validate import count, flag, include_progress, include_usage, json_object
+from ._validate import count, flag, include_progress, include_usage, json_object
+from .chat_request import MAX_N
+from .completions_request import CompletionRequest, completion_prompts
 
 __all__ = [
     "DONE",

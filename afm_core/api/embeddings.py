@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._stream.validate import err, integer, json_object, optional_str, valid_text
+from ._validate import err, integer, json_object, optional_str, valid_text
 
 __all__ = ["ENCODING_FORMATS", "MAX_INPUTS", "EmbeddingsCall", "encode_vector", "parse", "resize", "response"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
-from .._stream.request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
-from .._stream.validate import count, err, flag, json_object, optional_str, valid_text
+from ._validate import count, err, flag, json_object, optional_str, valid_text
+from .chat_request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
 from .responses_store import StoredResponse
 
 __all__ = ["ResponsesCall", "new_id", "parse", "to_messages"]

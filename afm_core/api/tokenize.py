@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RequestError
-from .._stream.validate import flag, json_object
+from ._validate import flag, json_object
 
 __all__ = ["TokenizeCall", "parse_detokenize", "parse_tokenize", "tokens_result"]
 

@@ -28,7 +28,7 @@ from afm_core._stream.events import (
     ReasoningDelta,
     Usage,
 )
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 
 
 def req(text: str, **kw) -> ChatRequest:

@@ -11,7 +11,7 @@ import pytest
 
 from afm_core._engine.engine import open_engine
 from afm_core._engine.grammar import OutputShape, call_schemas, grammar_processor, output_grammar
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
         "required": ["city"], "additionalProperties": False}

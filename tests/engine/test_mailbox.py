@@ -11,7 +11,7 @@ import trio.testing
 from afm_core._engine.engine import open_engine
 from afm_core._engine.mailbox import Mailbox
 from afm_core._stream.events import ContentDelta, Finish
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 
 
 def text(i: int) -> ContentDelta:

@@ -12,7 +12,7 @@ import trio
 from afm_core._engine.engine import Engine, open_engine
 from afm_core._mlx.speculative import MAX_REST, PromptLookup, Speculation, lookup
 from afm_core._stream.events import Finish, Profile
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 from afm_core.testing import make_echo_model, make_random_model
 
 PROMPTS = [

@@ -3,7 +3,7 @@
 The server runs in a background thread (its own ``trio.run``) for the whole
 module; Hypothesis tests are synchronous and talk to it with one
 ``httpx.Client``.  Every request is built so that a small oracle written here
-(independent of ``afm_core._stream.request``) knows whether it is valid: invalid
+(independent of ``afm_core.api.chat_request``) knows whether it is valid: invalid
 ones must get a 4xx with the OpenAI envelope ``{"error": {"message", "type",
 "param", "code"}}``, valid ones a 200 whose echoed text is right.  Never a
 500, never a crash; after each category a normal request is served exactly.

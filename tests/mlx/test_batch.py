@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from afm_core._engine.sampling import SamplerCache
 from afm_core._mlx.batch import EngineGenerationBatch, install
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 
 
 def sampler_for(cache: SamplerCache, **kw: Any) -> Any:

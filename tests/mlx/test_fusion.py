@@ -28,7 +28,7 @@ from afm_core._mlx.fusion import (
     wants_fusion,
 )
 from afm_core._mlx.qmatmul import extension
-from afm_core._stream.request import ChatRequest
+from afm_core.api.chat_request import ChatRequest
 
 pytestmark = pytest.mark.skipif(not wants_fusion(), reason="fusion applies to MLX's CPU backend")
 

@@ -30,10 +30,10 @@ from afm_core._stream.events import (
     Usage,
 )
 from afm_core._stream.reasoning import ReasoningSplitter
-from afm_core._stream.request import ChatRequest
 from afm_core._stream.sse import SSEEncoder
 from afm_core._stream.structured import make_structured_output
 from afm_core._stream.toolcalls.registry import FORMATS, make_tool_tracker
+from afm_core.api.chat_request import ChatRequest
 from tests.stream.helpers import random_split
 
 PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>",

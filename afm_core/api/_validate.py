@@ -6,7 +6,7 @@ field as ``param``.  The messages are OpenAI's style (``'key' must be ...``);
 an API with other wording (Anthropic's) uses only the conversions
 (:func:`as_float`, :func:`as_whole`) and writes its own messages.
 
-Used by :mod:`.request` and :mod:`afm_core.api`.
+Used by every parser of :mod:`afm_core.api`.
 """
 
 from __future__ import annotations

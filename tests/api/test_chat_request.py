@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from afm_core import ChatRequest, RequestError
-from afm_core._stream.request import MAX_N
+from afm_core.api.chat_request import MAX_N
 
 USER = [{"role": "user", "content": "hi"}]
 
