@@ -13,11 +13,10 @@ list of prompts) opens them with :func:`open_model_choices`: one stream
 each, in one group.
 
 While a streaming request waits (queued behind a full batch, or in a long
-prefill) its body reads the engine stream with :func:`keepalive_batches` (or
-:func:`next_batches` for several streams), which gives :data:`KEEPALIVE`
-whenever ``ServerConfig.keepalive_seconds`` pass without an engine batch: the
-OpenAI routes write :data:`KEEPALIVE_FRAME`, an SSE comment every SSE client
-ignores, and Anthropic's writes a ``ping`` event.  The reads are cancel-safe
+prefill) the driver (:mod:`._drive`) reads the engine streams with
+:func:`next_batches`, which gives :data:`KEEPALIVE` whenever
+``ServerConfig.keepalive_seconds`` pass without an engine batch: the writer
+then sends its keepalive.  The reads are cancel-safe
 (:meth:`ChatStream.next_batch` takes nothing when cancelled), so a keepalive
 never loses an event, and none follows the stream's last batch (the stream
 ends without waiting).
@@ -25,7 +24,7 @@ ends without waiting).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, final
 
@@ -37,13 +36,10 @@ from ._asgi import close_when_done
 from ._registry import ModelChoice
 from ._state import AppState
 
-__all__ = ["KEEPALIVE", "KEEPALIVE_FRAME", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded",
-           "held_engine", "held_stack", "keepalive_batches", "next_batches", "open_model_choices"]
+__all__ = ["KEEPALIVE", "STREAM_HEADERS", "Batch", "Keepalive", "aclose_shielded", "held_engine",
+           "held_stack", "next_batches", "open_model_choices"]
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-KEEPALIVE_FRAME = b": keepalive\n\n"
-"""The SSE comment the OpenAI routes write while the engine is silent."""
 
 Batch = tuple[Any, ...] | None
 """One :meth:`ChatStream.next_batch` result: the events of an engine step, None at the end."""
@@ -113,7 +109,6 @@ async def open_model_choices(state: AppState, choice: ModelChoice | None,
     return stack, engine, streams
 
 
-
 async def next_batches(streams: Sequence[ChatStream], live: Collection[int],
                        keepalive: float = 0) -> list[tuple[int, Batch]] | Keepalive:
     """The next batch of at least one of the ``live`` streams (of every one that
@@ -141,18 +136,3 @@ async def next_batches(streams: Sequence[ChatStream], live: Collection[int],
         if keepalive > 0:
             nursery.cancel_scope.deadline = trio.current_time() + keepalive
     return got or KEEPALIVE
-
-
-async def keepalive_batches(stream: ChatStream,
-                            keepalive: float = 0) -> AsyncIterator[tuple[Any, ...] | Keepalive]:
-    """``stream.batches()``, with :data:`KEEPALIVE` each time ``keepalive`` seconds
-    (0: never) passed without a batch; ends after the stream's last batch."""
-    while True:
-        got = await next_batches((stream,), (0,), keepalive)
-        if isinstance(got, Keepalive):
-            yield got
-            continue
-        batch = got[0][1]
-        if batch is None:
-            return
-        yield batch

@@ -5,10 +5,11 @@ Run: ``.venv/bin/python benchmarks/wire_apis.py [--tokens 2000] [--repeat 7]``
 ``afm bench --api X`` measures the served ratio end to end, where machine noise
 (±15 % between rounds here) hides a difference of a few percent.  This script
 isolates what differs between the APIs: the sans-IO translation of the same
-engine events into each API's SSE bytes (chat: ``SSEEncoder.encode_many``;
-completions: ``CompletionWriter.feed`` + ``encode``; messages:
-``MessageStream.feed_many`` + ``encode``; responses: ``ResponseWriter.feed`` +
-``encode``).  The events are one streamed answer, one ``ContentDelta`` per
+engine events into each API's bytes, through the one writer interface the HTTP
+driver calls (``Writer.start``, ``Writer.feed(0, batch)`` per engine step,
+``Writer.end``; :mod:`afm_core.api.writer`), so it counts all the per-step
+work a route does (chat's ``encoder`` row is the Cython ``SSEEncoder`` alone,
+the floor under chat's writer).  The events are one streamed answer, one ``ContentDelta`` per
 engine step (the C=1 case, the worst for per-step overhead), as the engine
 emits them.  Each API is timed on the whole stream (best of ``--repeat``) and
 reported in µs per token, with its share of one decode step of the default
@@ -28,7 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from afm_core import ContentDelta, Finish, SSEEncoder, Usage
-from afm_core.api import anthropic, completions, responses
+from afm_core.api import anthropic, chat, completions, responses
+from afm_core.api.writer import Writer
 
 WORDS = ("Local", " inference", " keeps", " your", " data", " on", " your", " machine", ".",
          " The", " engine", " streams", " each", " token", " as", " soon", " as", " it", " is", " sampled")
@@ -40,37 +42,41 @@ def steps(tokens: int) -> list[tuple[Any, ...]]:
     return out
 
 
-def chat(batches: Sequence[tuple[Any, ...]]) -> int:
+def encoder(batches: Sequence[tuple[Any, ...]]) -> int:
     enc = SSEEncoder("chatcmpl-1", 1, "m")
     n = sum(len(enc.encode_many(b)) for b in batches)
     return n + len(enc.done())
 
 
+def run(writer: Writer, batches: Sequence[tuple[Any, ...]]) -> int:
+    n = len(writer.start())
+    n += sum(len(writer.feed(0, b)) for b in batches)
+    return n + len(writer.end())
+
+
+def chat_writer(batches: Sequence[tuple[Any, ...]]) -> int:
+    return run(chat.Writer(id="chatcmpl-1", created=1, model="m", include_usage=True), batches)
+
+
 def legacy(batches: Sequence[tuple[Any, ...]]) -> int:
     call = completions.parse({"model": "m", "prompt": "x", "stream": True,
                               "stream_options": {"include_usage": True}})
-    writer = completions.CompletionWriter(call, id="cmpl-1", created=1, model="m")
-    n = sum(len(completions.encode(writer.feed(0, b))) for b in batches)
-    return n + len(completions.DONE)
+    return run(completions.Writer(call, id="cmpl-1", created=1, model="m"), batches)
 
 
 def messages(batches: Sequence[tuple[Any, ...]]) -> int:
-    stream = anthropic.MessageStream(model="m", input_tokens=40)
-    n = len(stream.encode(stream.start()))
-    n += sum(len(stream.encode(stream.feed_many(b))) for b in batches)
-    return n + len(stream.encode(stream.close()))
+    return run(anthropic.Writer(anthropic.MessageStream(model="m", input_tokens=40)), batches)
 
 
 def resp(batches: Sequence[tuple[Any, ...]]) -> int:
     call = responses.parse({"model": "m", "input": "x", "stream": True, "store": False})
-    writer = responses.ResponseWriter(call, id="resp_1", created_at=1.0, model="m")
-    n = len(responses.encode(writer.start()))
-    n += sum(len(responses.encode(writer.feed(b))) for b in batches)
-    return n + len(responses.encode(writer.end()))
+    return run(responses.Writer(responses.ResponseWriter(call, id="resp_1", created_at=1.0, model="m")),
+               batches)
 
 
 APIS: dict[str, Callable[[Sequence[tuple[Any, ...]]], int]] = {
-    "chat": chat, "completions": legacy, "messages": messages, "responses": resp}
+    "encoder": encoder, "chat": chat_writer, "completions": legacy, "messages": messages,
+    "responses": resp}
 
 
 def elapsed_ns(fn: Callable[[], Any]) -> float:

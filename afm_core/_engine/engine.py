@@ -44,12 +44,12 @@ from .._errors import (
     GenerationError,
     ModelLoadError,
     RequestError,
-    StreamErrorChunk,
     UnsupportedError,
 )
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
+from ..api.chat import Writer as ChatWriter
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
 from .commands import (
@@ -218,25 +218,17 @@ class ChatStream:
                 yield event
 
     async def collect(self) -> dict[str, Any]:
-        """The whole stream as a ``chat.completion`` dict (the non-streaming shape)."""
-        from .._stream.accumulate import ChunkAccumulator
-        from .._stream.sse import SSEEncoder
-
-        enc = SSEEncoder(self.id, self.created, self.model)
-        acc = ChunkAccumulator()
-        try:
-            async for batch in self.batches():
-                for chunk in enc.chunks(batch):
-                    acc.feed_chunk(chunk)
-            acc.feed_done()
-        except StreamErrorChunk as exc:
-            raise GenerationError(exc.message, code=exc.code) from None
-        result = acc.result()
-        for choice in result["choices"]:
-            message = choice["message"]
-            if message["content"] is None and not message.get("tool_calls"):
-                message["content"] = ""  # an empty answer is "", as OpenAI's; null only beside tool calls
-        return result
+        """The whole stream as a ``chat.completion`` dict (the non-streaming shape),
+        folded by the chat translation's writer (:mod:`afm_core.api.chat`); raises
+        :class:`GenerationError` if the stream failed or ended without a finish."""
+        writer = ChatWriter(id=self.id, created=self.created, model=self.model, stream=False)
+        while not writer.ended(0):
+            batch = await self.next_batch()
+            if batch is None:
+                writer.close(0)
+                break
+            writer.feed(0, batch)
+        return writer.result()
 
 
 class Engine:

@@ -74,7 +74,8 @@ def frame(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-def _token_logprob(entry: TokenLogprob) -> dict[str, Any]:
+def token_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """One ``logprobs.content[]`` entry of a chat chunk (also the non-streamed answer's)."""
     return {
         "token": entry.token,
         "logprob": clamp_logprob(entry.logprob),
@@ -91,7 +92,7 @@ def _token_logprob(entry: TokenLogprob) -> dict[str, Any]:
 
 
 def _logprobs(event: LogprobsDelta) -> dict[str, Any]:
-    return {"content": [_token_logprob(e) for e in event.content]}
+    return {"content": [token_logprob(e) for e in event.content]}
 
 
 def _tool_call(event: ToolCallDelta) -> dict[str, Any]:

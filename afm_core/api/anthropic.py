@@ -116,6 +116,7 @@ __all__ = [
     "MAX_STOP_SEQUENCES",
     "MessageStream",
     "MessagesRequest",
+    "Writer",
     "count_tokens_result",
     "encode_event",
     "error_body",
@@ -487,3 +488,52 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+class Writer:
+    """One Messages response: the writer protocol (:class:`afm_core.api.writer.Writer`)
+    over a :class:`MessageStream` (one choice).  Streamed: ``event: TYPE`` frames
+    (``message_start`` and a ``ping`` first, a ``ping`` as the keepalive); the
+    non-streamed ``Message`` is :meth:`result`.  :attr:`stop_requested` asks the
+    caller to end the engine request (a stop sequence matched)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, state: MessageStream, *, stream: bool = True) -> None:
+        self.state = state
+        self.streaming = stream
+
+    @property
+    def done(self) -> bool:
+        return self.state.ended
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.state.stop_requested
+
+    def ended(self, choice: int = 0) -> bool:
+        return self.state.ended
+
+    def _out(self, events: list[dict[str, Any]]) -> bytes:
+        return self.state.encode(events) if self.streaming and events else b""
+
+    def start(self) -> bytes:
+        return self._out(self.state.start()) if self.streaming else b""
+
+    def feed(self, choice: int, events: Sequence[object]) -> bytes:
+        return self._out(self.state.feed_many(events))
+
+    def close(self, choice: int = 0) -> bytes:
+        return self._out(self.state.close())
+
+    def keepalive(self) -> bytes:
+        return self._out([self.state.ping()])
+
+    def fail(self, message: str) -> bytes:
+        return self._out(self.state.fail(message))
+
+    def end(self) -> bytes:
+        return self._out(self.state.close())  # what is still owed (nothing once it ended)
+
+    def result(self) -> dict[str, Any]:
+        return self.state.message()

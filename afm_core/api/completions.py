@@ -49,11 +49,11 @@ library.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._errors import RequestError, StreamErrorChunk, UnsupportedError
+from .._errors import AFMError, GenerationError, RequestError, StreamErrorChunk, UnsupportedError
 from .._stream.events import (
     ContentDelta,
     Event,
@@ -71,6 +71,7 @@ from .._stream.sse import DONE, frame
 from ._validate import count, flag, include_progress, include_usage, json_object
 from .chat_request import MAX_N
 from .completions_request import CompletionRequest, completion_prompts
+from .writer import INTERRUPTED, SSE_KEEPALIVE
 
 __all__ = [
     "DONE",
@@ -78,6 +79,7 @@ __all__ = [
     "Completion",
     "CompletionWriter",
     "ScoredPrompt",
+    "Writer",
     "collect",
     "encode",
     "parse",
@@ -403,3 +405,72 @@ def collect(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
     result["usage"] = usage
     result.update(profiles)
     return result
+
+
+def _as_error(exc: StreamErrorChunk) -> AFMError:
+    """A failed choice of a non-streamed response, as the error to answer with."""
+    if exc.type == "invalid_request_error":
+        return RequestError(exc.message, param=exc.param, code=exc.code)
+    return GenerationError(exc.message, code=exc.code)
+
+
+class Writer:
+    """One completions response, every choice: the writer protocol
+    (:class:`afm_core.api.writer.Writer`) over a :class:`CompletionWriter`.
+
+    ``prompt_logprobs(i)`` gives choice ``i``'s prompt scores once they are
+    known (``ChatStream.prompt_logprobs`` of its stream; echo with logprobs).
+    Streamed (``call.stream``): ``data:`` frames, then ``data: [DONE]``;
+    otherwise the chunks are kept and :meth:`result` folds them (:func:`collect`).
+    """
+
+    media_type = "text/event-stream"
+    stop_requested = False
+
+    def __init__(self, call: Completion, *, id: str, created: int, model: str,
+                 echo: Sequence[str] = (),
+                 prompt_logprobs: Callable[[int], ScoredPrompt | None] | None = None) -> None:
+        self.state = CompletionWriter(call, id=id, created=created, model=model, echo=echo)
+        self.streaming = call.stream
+        self._scores = prompt_logprobs
+        self._kept: list[dict[str, Any]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.state.finished or self.state.error is not None
+
+    def ended(self, choice: int) -> bool:
+        return self.state.ended(choice) or self.state.error is not None
+
+    def _out(self, chunks: list[dict[str, Any]]) -> bytes:
+        if self.streaming:
+            return encode(chunks)
+        self._kept += chunks
+        return b""
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, choice: int, events: Sequence[Event]) -> bytes:
+        scores = self._scores(choice) if self._scores is not None else None
+        return self._out(self.state.feed(choice, events, scores))
+
+    def close(self, choice: int) -> bytes:
+        return b"" if self.state.ended(choice) else self._out(self.state.feed(choice, [INTERRUPTED]))
+
+    def keepalive(self) -> bytes:
+        return SSE_KEEPALIVE if self.streaming else b""
+
+    def fail(self, message: str) -> bytes:
+        if self.state.error is not None:
+            return b""
+        return self._out(self.state.fail(StreamFailure(message, code="internal_error")))
+
+    def end(self) -> bytes:
+        return DONE if self.streaming else b""
+
+    def result(self) -> dict[str, Any]:
+        try:
+            return collect(self._kept)
+        except StreamErrorChunk as exc:
+            raise _as_error(exc) from None

@@ -129,6 +129,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._errors import GenerationError
 from .._stream.events import (
     ContentDelta,
     Event,
@@ -146,10 +147,12 @@ from .._stream.events import (
 from .._stream.sse import dumps
 from .responses_request import ResponsesCall, new_id, parse, to_messages
 from .responses_store import StoredResponse
+from .writer import SSE_KEEPALIVE
 
 __all__ = [
     "ResponseWriter",
     "ResponsesCall",
+    "Writer",
     "encode",
     "new_id",
     "parse",
@@ -596,3 +599,53 @@ def encode(events: Iterable[dict[str, Any]]) -> bytes:
     """SSE frames ``event: TYPE`` / ``data: {...}`` for Responses events."""
     return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + dumps(e) + b"\n\n"
                     for e in events)
+
+
+class Writer:
+    """One Responses response, every choice: the writer protocol
+    (:class:`afm_core.api.writer.Writer`) over a :class:`ResponseWriter`.
+    Streamed: ``event: TYPE`` frames (``response.created`` and
+    ``response.in_progress`` first, a terminal event last); the non-streamed
+    Response object is :meth:`result` (:class:`~afm_core.GenerationError` if
+    the response failed)."""
+
+    media_type = "text/event-stream"
+    stop_requested = False
+
+    def __init__(self, state: ResponseWriter) -> None:
+        self.state = state
+        self.streaming = state.call.stream
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    def ended(self, choice: int) -> bool:
+        return self.state.ended(choice)
+
+    def _out(self, events: list[dict[str, Any]]) -> bytes:
+        return encode(events) if self.streaming and events else b""
+
+    def start(self) -> bytes:
+        return self._out(self.state.start()) if self.streaming else b""
+
+    def feed(self, choice: int, events: Iterable[Event]) -> bytes:
+        return self._out(self.state.feed(events, choice))
+
+    def close(self, choice: int) -> bytes:
+        return self._out(self.state.close(choice))
+
+    def keepalive(self) -> bytes:
+        return SSE_KEEPALIVE if self.streaming else b""
+
+    def fail(self, message: str) -> bytes:
+        return self._out(self.state.fail(message))
+
+    def end(self) -> bytes:
+        return self._out(self.state.end())
+
+    def result(self) -> dict[str, Any]:
+        if self.state.status == "failed":
+            error = self.state.error or {}
+            raise GenerationError(str(error.get("message") or "generation failed"))
+        return self.state.response

@@ -9,10 +9,10 @@ choice with ``finish_reason: "cancelled"``.  ``X-AFM-Profile`` profiles choice
 0 as chat's does: its ``afm_profile`` (or ``afm_profile_extended``) object
 comes after the usage, before ``[DONE]``, and is a top-level field of the
 non-streaming answer.  The translation's writer turns
-the streams' events into ``text_completion`` chunks: one write per engine
-step (the SSE comment ``: keepalive`` while the engine is silent,
-``ServerConfig.keepalive_seconds``), then ``data: [DONE]``; the non-streaming
-answer folds the same chunks.
+the streams' events into ``text_completion`` chunks, which the driver
+(:mod:`afm_http._drive`) writes one write per engine step (the SSE comment
+``: keepalive`` while the engine is silent, ``ServerConfig.keepalive_seconds``),
+then ``data: [DONE]``; the non-streaming answer folds the same chunks.
 
 Before headers are sent every failure is an HTTP status with the OpenAI
 error envelope; after a stream began, a failure is an error chunk followed
@@ -22,41 +22,18 @@ disconnect) drops every stream at the next engine step.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack
-from typing import Any
-
-import trio
 from quart import Response
 
-from afm_core import (
-    ChatStream,
-    Engine,
-    GenerationError,
-    RequestError,
-    StreamErrorChunk,
-    StreamFailure,
-)
+from afm_core import Engine
 from afm_core.api import completions as api
 
 from .._asgi import AFMQuart
-from .._json import json_response
+from .._drive import check_room, respond
 from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import current_state
-from .._streaming import (
-    KEEPALIVE_FRAME,
-    STREAM_HEADERS,
-    Batch,
-    Keepalive,
-    aclose_shielded,
-    next_batches,
-    open_model_choices,
-)
+from .._streaming import aclose_shielded, open_model_choices
 
 __all__ = ["register"]
-
-log = logging.getLogger("afm.http")
 
 
 def register(app: AFMQuart) -> None:
@@ -67,10 +44,7 @@ async def text_completions() -> Response:
     state = current_state()
     body = await read_json()
     call = api.parse(body)
-    room = state.models.config.max_batch + state.models.config.max_waiting
-    if call.choices > room:
-        raise RequestError(f"this server runs at most {room} choices (prompts times n) per request",
-                           param="prompt")
+    check_room(state, call.choices, param="prompt", what="choices (prompts times n)")
     profile = profile_requested()
     progress = call.stream and progress_requested(call.include_progress)
     rid = request_id()
@@ -82,18 +56,9 @@ async def text_completions() -> Response:
         await aclose_shielded(stack)
         raise
     first = streams[0]
-    writer = api.CompletionWriter(call, id=first.id, created=first.created, model=first.model,
-                                  echo=echo)
-    if not call.stream:
-        async with stack:
-            chunks = await _gather(streams, writer)
-        try:
-            return json_response(api.collect(chunks))
-        except StreamErrorChunk as exc:
-            raise _as_error(exc) from None
-    body = _sse_body(streams, writer, stack, request_id=rid,
-                     keepalive=state.config.keepalive_seconds)
-    return Response(body, status=200, content_type="text/event-stream", headers=STREAM_HEADERS)
+    writer = api.Writer(call, id=first.id, created=first.created, model=first.model, echo=echo,
+                        prompt_logprobs=lambda i: streams[i].prompt_logprobs)
+    return await respond(state, writer, streams, stack, stream=call.stream, request_id=rid)
 
 
 async def _echo_texts(engine: Engine, call: api.Completion) -> list[str]:
@@ -106,78 +71,3 @@ async def _echo_texts(engine: Engine, call: api.Completion) -> list[str]:
             texts[p] = p if isinstance(p, str) else await engine.detokenize(list(p))
         out.append(texts[p])
     return out
-
-
-def _as_error(exc: StreamErrorChunk) -> Exception:
-    """A failed choice of a non-streaming response, as the error to answer with."""
-    if exc.type == "invalid_request_error":
-        return RequestError(exc.message, param=exc.param, code=exc.code)
-    return GenerationError(exc.message, code=exc.code)
-
-
-INTERRUPTED = StreamFailure("the stream ended before it finished", code="stream_interrupted")
-"""A choice whose stream the engine closed without a finish (shutdown)."""
-
-
-def _feed(writer: api.CompletionWriter, stream: ChatStream, i: int, batch: Batch) -> list[dict[str, Any]]:
-    """Choice ``i``'s chunks for one batch of its stream (None: the stream's end)."""
-    if batch is None:
-        return [] if writer.ended(i) else writer.feed(i, [INTERRUPTED])
-    return writer.feed(i, batch, stream.prompt_logprobs)
-
-
-async def _gather(streams: Sequence[ChatStream], writer: api.CompletionWriter) -> list[dict[str, Any]]:
-    """Every chunk of every choice (the non-streaming answer): one reader per
-    stream; the first failure stops the others."""
-    chunks: list[dict[str, Any]] = []
-    async with trio.open_nursery() as nursery:
-
-        async def read(i: int) -> None:
-            stream = streams[i]
-            while not writer.ended(i):
-                batch = await stream.next_batch()
-                chunks.extend(_feed(writer, stream, i, batch))
-                if writer.error is not None:
-                    nursery.cancel_scope.cancel()
-                if batch is None:
-                    return
-
-        for i in range(len(streams)):
-            nursery.start_soon(read, i)
-    return chunks
-
-
-async def _steps(streams: Sequence[ChatStream], writer: api.CompletionWriter,
-                 keepalive: float) -> AsyncIterator[list[dict[str, Any]] | Keepalive]:
-    """The chunks of each engine step, every choice's, until all ended or one
-    failed (the streaming answer: one write each), or KEEPALIVE after
-    ``keepalive`` seconds without any."""
-    live = set(range(len(streams)))
-    while live and writer.error is None:
-        got = await next_batches(streams, live, keepalive)
-        if isinstance(got, Keepalive):
-            yield got
-            continue
-        out: list[dict[str, Any]] = []
-        for i, batch in got:
-            out += _feed(writer, streams[i], i, batch)
-            if batch is None or writer.ended(i):
-                live.discard(i)
-        if out:
-            yield out
-
-
-async def _sse_body(streams: Sequence[ChatStream], writer: api.CompletionWriter, stack: AsyncExitStack,
-                    *, request_id: str, keepalive: float) -> AsyncIterator[bytes]:
-    """The SSE body: one write per engine step (a keepalive comment after
-    ``keepalive`` silent seconds), then ``[DONE]``; leaves the streams at the end."""
-    try:
-        try:
-            async for chunks in _steps(streams, writer, keepalive):
-                yield KEEPALIVE_FRAME if isinstance(chunks, Keepalive) else api.encode(chunks)
-        except Exception as exc:  # headers are sent: report in-band
-            log.exception("completion %s failed", request_id)
-            yield api.encode(writer.fail(StreamFailure(f"stream failed: {exc}", code="internal_error")))
-        yield api.DONE
-    finally:
-        await aclose_shielded(stack)

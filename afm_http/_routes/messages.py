@@ -2,9 +2,9 @@
 
 The translation (:mod:`afm_core.api.anthropic`) validates the body into the
 engine's request and turns the engine's events into Anthropic's stream
-events; this module holds the stream as the chat route does (in-flight
-registry, one write per engine step, ``close_when_done``) and writes
-``event: NAME`` / ``data: {...}`` frames: ``message_start`` and a ``ping``
+events; this module opens the stream and hands its writer to the driver
+(:mod:`afm_http._drive`: in-flight registry, one write per engine step,
+``close_when_done``), which writes ``event: NAME`` / ``data: {...}`` frames: ``message_start`` and a ``ping``
 first, a ``ping`` whenever the engine has been silent for
 ``ServerConfig.keepalive_seconds`` (queued, or a long prefill; 0: none), then the blocks, ``message_delta``
 and ``message_stop``.  A matched stop sequence cancels the engine request
@@ -25,8 +25,6 @@ chooses it by path); after, an ``event: error`` ends the stream.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 from quart import Response
@@ -35,20 +33,13 @@ from afm_core import ChatRequest, ChatStream, ContextLengthError, Engine
 from afm_core.api import anthropic
 
 from .._asgi import AFMQuart
+from .._drive import respond
 from .._json import json_response
 from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import current_state
-from .._streaming import (
-    STREAM_HEADERS,
-    Keepalive,
-    aclose_shielded,
-    held_engine,
-    keepalive_batches,
-)
+from .._streaming import held_engine
 
 __all__ = ["register"]
-
-log = logging.getLogger("afm.http")
 
 
 def register(app: AFMQuart) -> None:
@@ -65,21 +56,13 @@ async def create_message() -> Response:
     rid = request_id()
     stack, engine = await held_engine(state, model_choice(body), rid)
     stream = await _open(engine, stack, req.chat, rid, profile=profile, progress=progress)
-    writer = anthropic.MessageStream(
+    writer = anthropic.Writer(anthropic.MessageStream(
         model=req.model, input_tokens=stream.prompt_tokens, stop_sequences=req.stop_sequences,
         context_length=engine.context_length, show_thinking=req.show_thinking,
-        profile=profile is not None)
+        profile=profile is not None), stream=req.stream)
     headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
-    if not req.stream:
-        async with stack:
-            async for batch in stream.batches():
-                writer.feed_many(batch)
-                _stop_if_asked(engine, writer, rid)
-            writer.close()
-        return json_response(writer.message(), headers=headers)
-    body = _sse_body(engine, stream, stack, writer, rid, state.config.keepalive_seconds)
-    return Response(body, status=200, content_type="text/event-stream",
-                    headers={**headers, **STREAM_HEADERS})
+    return await respond(state, writer, [stream], stack, stream=req.stream, request_id=rid,
+                         headers=headers, cancel=lambda: engine.cancel(rid))
 
 
 async def count_message_tokens() -> Response:
@@ -107,35 +90,3 @@ async def _open(engine: Engine, stack: AsyncExitStack, chat: ChatRequest, rid: s
     return await stack.enter_async_context(
         engine.stream(dataclasses.replace(chat, max_tokens=None), request_id=rid, profile=profile,
                       progress=progress))
-
-
-def _stop_if_asked(engine: Engine, writer: anthropic.MessageStream, rid: str) -> None:
-    if writer.stop_requested:
-        engine.cancel(rid)  # a stop sequence matched: the rest is not wanted
-
-
-async def _sse_body(engine: Engine, stream: ChatStream, stack: AsyncExitStack,
-                    writer: anthropic.MessageStream, rid: str,
-                    ping_seconds: float) -> AsyncIterator[bytes]:
-    """The SSE body: one write per engine step (a ``ping`` after ``ping_seconds``
-    silent seconds); leaves the stream at the end."""
-    try:
-        yield writer.encode(writer.start())
-        try:
-            # ends after the finish (or failure), or when the engine closed the stream
-            async for batch in keepalive_batches(stream, ping_seconds):
-                if isinstance(batch, Keepalive):
-                    yield writer.encode([writer.ping()])
-                    continue
-                events = writer.feed_many(batch)
-                _stop_if_asked(engine, writer, rid)
-                if events:
-                    yield writer.encode(events)
-            tail = writer.close()
-        except Exception as exc:  # headers are sent: report in-band
-            log.exception("stream %s failed", rid)
-            tail = writer.fail(f"stream failed: {exc}")
-        if tail:
-            yield writer.encode(tail)
-    finally:
-        await aclose_shielded(stack)

@@ -47,43 +47,23 @@ that was cancelled is returned with status ``cancelled``.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
 from quart import Response, request
 
-from afm_core import (
-    AFMError,
-    ChatStream,
-    Engine,
-    Finish,
-    GenerationError,
-    RequestError,
-    UnsupportedError,
-)
+from afm_core import AFMError, Engine, Finish, ReasoningDelta, RequestError, UnsupportedError
 from afm_core.api import responses as api
 from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart
+from .._drive import Before, check_room, respond
 from .._json import json_response
 from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
 from .._state import AppState, LiveResponse, current_state
-from .._streaming import (
-    KEEPALIVE_FRAME,
-    STREAM_HEADERS,
-    Batch,
-    Keepalive,
-    aclose_shielded,
-    next_batches,
-    open_model_choices,
-)
+from .._streaming import Batch, open_model_choices
 
 __all__ = ["register"]
-
-log = logging.getLogger("afm.http")
 
 CANCEL_WAIT_SECONDS = 10.0
 """How long ``cancel`` waits for the response to end (the engine ends it within
@@ -104,9 +84,7 @@ async def responses_create() -> Response:
     state = current_state()
     raw = await read_json()
     call = api.parse(raw, previous=lambda rid: _previous(state, rid))
-    room = state.models.config.max_batch + state.models.config.max_waiting
-    if call.n > room:
-        raise RequestError(f"this server runs at most {room} choices (n) per request", param="n")
+    check_room(state, call.n, param="n")
     profile = profile_requested()
     progress = call.stream and progress_requested()
     rid = request_id()
@@ -114,30 +92,15 @@ async def responses_create() -> Response:
     stack, engine, streams = await open_model_choices(state, model_choice(raw), call.chat.per_choice(),
                                                       rid, profile=profile, progress=progress)
     first = streams[0]
-    writer = api.ResponseWriter(call, id=api.new_id("resp"), created_at=first.created,
-                                model=first.model, profile=profile is not None)
-    live = LiveResponse(rid, writer)
-    state.responses_live[writer.id] = live
+    writer = api.Writer(api.ResponseWriter(call, id=api.new_id("resp"), created_at=first.created,
+                                           model=first.model, profile=profile is not None))
+    live = LiveResponse(rid, writer.state)
+    state.responses_live[writer.state.id] = live
     stack.callback(_settle, state, live)  # runs before the engine streams are left
     downgraded = any(s.grammar_downgraded for s in streams)
     headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
-    if not call.stream:
-        async with stack:
-            try:
-                async for _ in _steps(engine, streams, writer):
-                    pass
-            except Exception as exc:
-                writer.fail(f"stream failed: {exc}")  # stored as failed, answered as a 500
-                raise
-            writer.end()
-        if writer.status == "failed":
-            error = writer.error or {}
-            raise GenerationError(str(error.get("message") or "generation failed"))
-        return json_response(writer.response, headers=headers)
-    body = _sse_body(engine, streams, writer, stack, request_id=rid,
-                     keepalive=state.config.keepalive_seconds)
-    return Response(body, status=200, content_type="text/event-stream",
-                    headers={**headers, **STREAM_HEADERS})
+    return await respond(state, writer, streams, stack, stream=call.stream, request_id=rid,
+                         headers=headers, before=_reasoning_counter(engine, writer.state))
 
 
 async def responses_input_tokens() -> Response:
@@ -171,20 +134,22 @@ def _settle(state: AppState, live: LiveResponse) -> None:
     live.done.set()
 
 
-async def _feed(engine: Engine, writer: api.ResponseWriter, choice: int,
-                batch: Batch) -> list[dict[str, Any]]:
-    """The writer's events for one batch of a choice's stream (None: its end);
-    before the choice's finish, its reasoning's token count."""
-    if batch is None:
-        return writer.close(choice)
-    cut = next((i for i, e in enumerate(batch) if type(e) is Finish), None)
-    if cut is None:
-        return writer.feed(batch, choice)
-    out = writer.feed(batch[:cut], choice)
-    text = writer.reasoning_text(choice)
-    if text:
-        writer.set_reasoning_tokens(await _count_tokens(engine, text), choice)
-    return out + writer.feed(batch[cut:], choice)
+def _reasoning_counter(engine: Engine, writer: api.ResponseWriter) -> Before:
+    """Before a choice's finish reaches the writer: its reasoning text re-tokenized
+    for ``usage.output_tokens_details.reasoning_tokens``."""
+
+    async def before(choice: int, batch: Batch) -> None:
+        if batch is None or writer.ended(choice):
+            return
+        cut = next((i for i, e in enumerate(batch) if type(e) is Finish), None)
+        if cut is None:
+            return
+        text = writer.reasoning_text(choice) + "".join(
+            e.text for e in batch[:cut] if type(e) is ReasoningDelta)
+        if text:
+            writer.set_reasoning_tokens(await _count_tokens(engine, text), choice)
+
+    return before
 
 
 async def _count_tokens(engine: Engine, text: str) -> int | None:
@@ -192,47 +157,6 @@ async def _count_tokens(engine: Engine, text: str) -> int | None:
         return len(await engine.tokenize(text, parse_special=False))
     except AFMError:  # the engine is closing: report none rather than fail the response
         return None
-
-
-async def _steps(engine: Engine, streams: Sequence[ChatStream], writer: api.ResponseWriter,
-                 keepalive: float = 0) -> AsyncIterator[list[dict[str, Any]] | Keepalive]:
-    """The writer's events for each engine step, every choice's, until the
-    response is done or every stream ended, or KEEPALIVE after ``keepalive``
-    seconds (0: never) without a batch."""
-    live = set(range(len(streams)))
-    while live and not writer.done:
-        got = await next_batches(streams, live, keepalive)
-        if isinstance(got, Keepalive):
-            yield got
-            continue
-        out: list[dict[str, Any]] = []
-        for i, batch in sorted(got, key=lambda g: g[0]):
-            out += await _feed(engine, writer, i, batch)
-            if batch is None or writer.ended(i):
-                live.discard(i)
-        if out:
-            yield out
-
-
-async def _sse_body(engine: Engine, streams: Sequence[ChatStream], writer: api.ResponseWriter,
-                    stack: AsyncExitStack, *, request_id: str,
-                    keepalive: float) -> AsyncIterator[bytes]:
-    """The SSE body: created/in_progress, one write per engine step (a keepalive
-    comment after ``keepalive`` silent seconds), the terminal event; leaves the
-    streams (and settles the response) at the end."""
-    try:
-        yield api.encode(writer.start())
-        try:
-            async for out in _steps(engine, streams, writer, keepalive):
-                yield KEEPALIVE_FRAME if isinstance(out, Keepalive) else api.encode(out)
-        except Exception as exc:  # headers are sent: report in-band
-            log.exception("response %s (request %s) failed", writer.id, request_id)
-            yield api.encode(writer.fail(f"stream failed: {exc}"))
-        if not writer.done:
-            # the engine closed the streams without a finish (shutdown): say so
-            yield api.encode(writer.end())
-    finally:
-        await aclose_shielded(stack)
 
 
 def _not_found(response_id: str) -> RequestError:
