@@ -36,6 +36,7 @@ log = logging.getLogger("afm.http")
 
 GENERATION_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+    "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
 })
 """``POST`` routes that start engine work: refused while draining.  Everything
 else (cancel routes, ``count_tokens``, ``/tokenize``, ``GET``s) is still served."""

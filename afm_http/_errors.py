@@ -1,32 +1,36 @@
 """Error responses for every failure before headers are sent.
 
-Every error body is OpenAI's envelope ``{"error": {"message", "type",
-"param", "code"}}``, except on the Anthropic Messages paths
-(``/v1/messages``, ``/v1/messages/...``: :func:`api_for_path`), where it is
-Anthropic's ``{"type": "error", "error": {"type", "message"}, "request_id"}``
-with Anthropic's statuses (:mod:`afm_core.api.anthropic`: a full queue is
-529 ``overloaded_error``).  Core errors carry their own status hint
-(``AFMError.status``); werkzeug's routing errors (404, 405, 413, ...) are
-mapped here.
+Every error body is in the envelope of the API whose path was asked
+(:func:`api_for_path`, from :data:`ENVELOPES`): OpenAI's ``{"error":
+{"message", "type", "param", "code"}}`` (:func:`afm_core.api.chat.error_body`)
+by default; Anthropic's ``{"type": "error", "error": {"type", "message"},
+"request_id"}`` on the Messages paths (``/v1/messages``, ``/v1/messages/...``)
+with Anthropic's statuses (:mod:`afm_core.api.anthropic`: a full queue is 529
+``overloaded_error``); Ollama's ``{"error": "..."}`` under ``/api/``.  Core
+errors carry their own status hint (``AFMError.status``); werkzeug's routing
+errors (404, 405, 413, ...) are mapped here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from quart import Response
 from werkzeug.exceptions import HTTPException
 
 from afm_core import AFMError, DuplicateRequestError, EngineBusyError
-from afm_core.api import anthropic
+from afm_core.api import anthropic, chat, ollama
 
 from ._json import json_response
 from ._request import request_id_or_none
 
 __all__ = ["API", "api_for_path", "envelope", "error_response", "from_exception", "from_http_exception"]
 
-API = Literal["openai", "anthropic"]
-ANTHROPIC_PATH = "/v1/messages"
+API = Literal["openai", "anthropic", "ollama"]
+
+ENVELOPES: tuple[tuple[str, API], ...] = (("/v1/messages", "anthropic"), ("/api/", "ollama"))
+"""Path prefixes whose errors use another API's envelope than OpenAI's (a prefix
+ending in ``/`` covers everything under it; else the path itself and below)."""
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -42,14 +46,14 @@ _HTTP_CODES = {
 
 def api_for_path(path: str) -> API:
     """Whose error envelope a request to ``path`` gets."""
-    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
-        return "anthropic"
+    for prefix, api in ENVELOPES:
+        if path.startswith(prefix) and (prefix.endswith("/") or path == prefix
+                                        or path.startswith(prefix + "/")):
+            return api
     return "openai"
 
 
-def envelope(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-             code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+envelope = chat.error_body
 
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",
@@ -66,6 +70,8 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
     if api == "anthropic":
         body = anthropic.error_body(message, status=status, request_id=request_id_or_none())
         return json_response(body, status, headers)
+    if api == "ollama":
+        return json_response(ollama.error_body(message), status, headers)
     return json_response(envelope(message, type=type, param=param, code=code), status, headers)
 
 
@@ -81,7 +87,7 @@ def from_exception(exc: AFMError, *, api: API = "openai") -> Response:
     status = exc.status if 400 <= exc.status <= 599 else 500
     err = exc.to_dict()["error"]
     return error_response(status, err["message"], type=err["type"], param=err["param"],
-                          code=err["code"], headers=headers)
+                          code=err["code"], headers=headers, api=api)
 
 
 def from_http_exception(exc: HTTPException, *, max_body_bytes: int, api: API = "openai") -> Response:

@@ -252,6 +252,10 @@ class ModelRegistry:
         """Every open engine, loaded or unloading (a cancel or a drain reaches them all)."""
         return [s.engine for s in self._slots.values() if s.engine is not None]
 
+    def specs(self) -> list[ModelSpec]:
+        """Every served model's spec, in the order the models were given."""
+        return [s.spec for s in self._slots.values()]
+
     def rows(self) -> Iterator[tuple[Residency, Engine | None]]:
         """Every model's table row and its engine when loaded."""
         for slot in self._slots.values():
