@@ -207,8 +207,8 @@ class Writer:
         return SSE_KEEPALIVE if self.streaming else b""
 
     def fail(self, message: str) -> bytes:
-        if self.failure is not None:
-            return b""
+        if self.done:
+            return b""  # (after the last choice's end nothing fails)
         self.failure = StreamFailure(message, code="internal_error")
         return self._encoders[0].encode(self.failure) if self.streaming else b""
 

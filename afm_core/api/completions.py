@@ -462,7 +462,7 @@ class Writer:
         return SSE_KEEPALIVE if self.streaming else b""
 
     def fail(self, message: str) -> bytes:
-        if self.state.error is not None:
+        if self.done:
             return b""
         return self._out(self.state.fail(StreamFailure(message, code="internal_error")))
 
