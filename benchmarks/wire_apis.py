@@ -9,7 +9,7 @@ engine events into each API's bytes, through the one writer interface the HTTP
 driver calls (``Writer.start``, ``Writer.feed(0, batch)`` per engine step,
 ``Writer.end``; :mod:`afm_core.api.writer`), so it counts all the per-step
 work a route does (chat's ``encoder`` row is the Cython ``SSEEncoder`` alone,
-the floor under chat's writer).  The events are one streamed answer, one ``ContentDelta`` per
+the floor under chat's writer; ``ollama`` is ``/api/chat``'s NDJSON lines).  The events are one streamed answer, one ``ContentDelta`` per
 engine step (the C=1 case, the worst for per-step overhead), as the engine
 emits them.  Each API is timed on the whole stream (best of ``--repeat``) and
 reported in µs per token, with its share of one decode step of the default
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from afm_core import ContentDelta, Finish, SSEEncoder, Usage
-from afm_core.api import anthropic, chat, completions, responses
+from afm_core.api import anthropic, chat, completions, ollama, responses
 from afm_core.api.writer import Writer
 
 WORDS = ("Local", " inference", " keeps", " your", " data", " on", " your", " machine", ".",
@@ -74,9 +74,13 @@ def resp(batches: Sequence[tuple[Any, ...]]) -> int:
                batches)
 
 
+def ollama_chat(batches: Sequence[tuple[Any, ...]]) -> int:
+    return run(ollama.Writer(model="m"), batches)
+
+
 APIS: dict[str, Callable[[Sequence[tuple[Any, ...]]], int]] = {
     "encoder": encoder, "chat": chat_writer, "completions": legacy, "messages": messages,
-    "responses": resp}
+    "responses": resp, "ollama": ollama_chat}
 
 
 def elapsed_ns(fn: Callable[[], Any]) -> float:

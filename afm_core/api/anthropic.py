@@ -19,6 +19,9 @@ engine's events::
     writer.encode(out)                     # SSE bytes: b"event: NAME\\ndata: {...}\\n\\n"
     writer.message()                       # the non-streaming ``Message``
 
+:class:`Writer` wraps a :class:`MessageStream` in the one writer protocol
+(:mod:`afm_core.api.writer`) the HTTP driver runs.
+
 What maps to what:
 
 * ``system`` (a string or text blocks) and ``system``-role entries inside

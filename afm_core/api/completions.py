@@ -14,7 +14,9 @@ as its own stream.  :class:`CompletionWriter` turns the streams' events into
     sse = completions.encode(chunks)                    # ... then completions.DONE
 
 and :func:`collect` folds the same chunks into the non-streaming object, so
-both forms say the same thing.  The chunks:
+both forms say the same thing.  :class:`Writer` is the same over the one
+writer protocol (:mod:`afm_core.api.writer`): ``data:`` frames and
+``data: [DONE]``, or the folded object.  The chunks:
 
 * with ``stream_options.include_progress``, while the prompt is prefilled,
   prompt-progress chunks (``choices`` empty, ``prompt_progress``: ``total``,

@@ -18,6 +18,9 @@ Responses streaming events and the final Response object::
     store.put(writer.stored())                           # when call.store
     writer.response                                      # the Response object
 
+:class:`Writer` wraps a :class:`ResponseWriter` in the one writer protocol
+(:mod:`afm_core.api.writer`) the HTTP driver runs.
+
 The request.  ``input`` is a string (one user message) or a list of items:
 messages (roles ``user``, ``system``, ``developer``, ``assistant``; string
 content or ``input_text`` / ``output_text`` / ``refusal`` parts),
