@@ -87,4 +87,12 @@ async def test_route_table(echo_model_dir: Path) -> None:
         ("/admin/drain", delete),
         ("/", get),
         ("/ui/<name>", get),
+        ("/api/chat", post),
+        ("/api/generate", post),
+        ("/api/embed", post),
+        ("/api/embeddings", post),
+        ("/api/tags", get),
+        ("/api/show", post),
+        ("/api/ps", get),
+        ("/api/version", get),
     }
