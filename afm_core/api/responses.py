@@ -142,12 +142,11 @@ from .._stream.events import (
     PromptProgress,
     ReasoningDelta,
     StreamFailure,
-    TokenLogprob,
     ToolCallDelta,
     Usage,
-    clamp_logprob,
 )
 from .._stream.sse import dumps
+from .responses_items import Choice, Item, logprob_entry
 from .responses_request import ResponsesCall, new_id, parse, to_messages
 from .responses_store import StoredResponse
 from .writer import SSE_KEEPALIVE
@@ -162,90 +161,6 @@ __all__ = [
     "to_messages",
 ]
 
-
-
-# -- events ------------------------------------------------------------------------
-
-
-def _logprob(entry: TokenLogprob) -> dict[str, Any]:
-    return {
-        "token": entry.token,
-        "bytes": list(entry.bytes) if entry.bytes is not None else [],
-        "logprob": clamp_logprob(entry.logprob),
-        "top_logprobs": [{"token": t.token, "bytes": list(t.bytes) if t.bytes is not None else [],
-                          "logprob": clamp_logprob(t.logprob)} for t in entry.top_logprobs],
-    }
-
-
-class _Item:
-    """One output item while it streams."""
-
-    __slots__ = ("call_id", "choice", "id", "index", "kind", "logprobs", "name", "parts", "status",
-                 "tagged")
-
-    def __init__(self, kind: str, id: str, index: int, choice: int, *, tagged: bool = False,
-                 call_id: str = "", name: str = "") -> None:
-        self.kind = kind
-        self.id = id
-        self.index = index
-        self.choice = choice
-        self.tagged = tagged
-        self.call_id = call_id
-        self.name = name
-        self.parts: list[str] = []
-        self.logprobs: list[dict[str, Any]] = []
-        self.status = "in_progress"
-
-    @property
-    def done(self) -> bool:
-        return self.status != "in_progress"
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def part(self) -> dict[str, Any]:
-        if self.kind == "reasoning":
-            return {"type": "summary_text", "text": self.text}
-        return {"type": "output_text", "text": self.text, "annotations": [],
-                "logprobs": list(self.logprobs)}
-
-    def to_dict(self) -> dict[str, Any]:
-        status = self.status
-        if self.kind == "reasoning":
-            summary = [self.part()] if self.parts or self.done else []
-            out: dict[str, Any] = {"id": self.id, "type": "reasoning", "summary": summary,
-                                   "status": status}
-        elif self.kind == "message":
-            content = [self.part()] if self.parts or self.done else []
-            out = {"id": self.id, "type": "message", "status": status, "role": "assistant",
-                   "content": content}
-        else:
-            out = {"id": self.id, "type": "function_call", "status": status,
-                   "arguments": self.text, "call_id": self.call_id, "name": self.name}
-        if self.tagged:  # n > 1: which choice the item belongs to (afm's extension)
-            out["choice_index"] = self.choice
-        return out
-
-
-class _Choice:
-    """One choice's state: its items (and which are open), its finish and usage."""
-
-    __slots__ = ("calls", "ended", "finish", "index", "items", "lp_pending", "message", "reasoning",
-                 "reasoning_tokens", "usage")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.items: list[_Item] = []
-        self.reasoning: _Item | None = None
-        self.message: _Item | None = None
-        self.calls: dict[int, _Item] = {}
-        self.finish: str | None = None
-        self.usage: Usage | None = None
-        self.lp_pending: list[dict[str, Any]] = []
-        """Logprobs of tokens whose text is still held back (they join the next text delta)."""
-        self.reasoning_tokens: int | None = None
-        self.ended = False
 
 
 class ResponseWriter:
@@ -275,8 +190,8 @@ class ResponseWriter:
         self._ids = ids
         self._seq = 0
         self._started = False
-        self._items: list[_Item] = []
-        self._choices = tuple(_Choice(i) for i in range(call.n))
+        self._items: list[Item] = []
+        self._choices = tuple(Choice(i) for i in range(call.n))
         self.status = "in_progress"
         self.error: dict[str, Any] | None = None
         self.incomplete_details: dict[str, Any] | None = None
@@ -458,10 +373,10 @@ class ResponseWriter:
 
     # -- items ---------------------------------------------------------------------
 
-    def _open(self, ch: _Choice, kind: str, prefix: str, out: list[dict[str, Any]],
-              **kw: str) -> _Item:
-        item = _Item(kind, self._ids(prefix), len(self._items), ch.index,
-                     tagged=len(self._choices) > 1, **kw)
+    def _open(self, ch: Choice, kind: str, prefix: str, out: list[dict[str, Any]],
+              **kw: str) -> Item:
+        item = Item(kind, self._ids(prefix), len(self._items), ch.index,
+                    tagged=len(self._choices) > 1, **kw)
         self._items.append(item)
         ch.items.append(item)
         self._event(out, "response.output_item.added", output_index=item.index,
@@ -474,7 +389,7 @@ class ResponseWriter:
                         output_index=item.index, content_index=0, part=item.part())
         return item
 
-    def _close(self, item: _Item, status: str, out: list[dict[str, Any]]) -> None:
+    def _close(self, item: Item, status: str, out: list[dict[str, Any]]) -> None:
         ch = self._choices[item.choice]
         ids = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
@@ -499,12 +414,12 @@ class ResponseWriter:
                     item=item.to_dict())
 
     def _close_all(self, status: str, out: list[dict[str, Any]],
-                   items: Iterable[_Item] | None = None) -> None:
+                   items: Iterable[Item] | None = None) -> None:
         for item in self._items if items is None else items:
             if not item.done:
                 self._close(item, status, out)
 
-    def _content(self, ch: _Choice, text: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def _content(self, ch: Choice, text: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not text:
             return None
         item = ch.message
@@ -518,17 +433,17 @@ class ResponseWriter:
         return self._event(out, "response.output_text.delta", item_id=item.id,
                            output_index=item.index, content_index=0, delta=text, logprobs=logprobs)
 
-    def _logprobs(self, ch: _Choice, event: LogprobsDelta, last: dict[str, Any] | None) -> None:
+    def _logprobs(self, ch: Choice, event: LogprobsDelta, last: dict[str, Any] | None) -> None:
         if not self.call.logprobs:
             return
-        entries = [_logprob(e) for e in event.content]
+        entries = [logprob_entry(e) for e in event.content]
         if last is not None and ch.message is not None:
             last["logprobs"] = last["logprobs"] + entries
             ch.message.logprobs += entries
         else:  # a token whose text is still held back: it joins the next text delta
             ch.lp_pending += entries
 
-    def _reason(self, ch: _Choice, text: str, out: list[dict[str, Any]]) -> None:
+    def _reason(self, ch: Choice, text: str, out: list[dict[str, Any]]) -> None:
         if not text:
             return
         item = ch.reasoning
@@ -540,7 +455,7 @@ class ResponseWriter:
         self._event(out, "response.reasoning_summary_text.delta", item_id=item.id,
                     output_index=item.index, summary_index=0, delta=text)
 
-    def _tool(self, ch: _Choice, event: ToolCallDelta, out: list[dict[str, Any]]) -> None:
+    def _tool(self, ch: Choice, event: ToolCallDelta, out: list[dict[str, Any]]) -> None:
         item = ch.calls.get(event.index)
         if item is None:
             for other in (ch.reasoning, ch.message):
@@ -554,7 +469,7 @@ class ResponseWriter:
             self._event(out, "response.function_call_arguments.delta", item_id=item.id,
                         output_index=item.index, delta=event.arguments)
 
-    def _end_choice(self, ch: _Choice) -> list[dict[str, Any]]:
+    def _end_choice(self, ch: Choice) -> list[dict[str, Any]]:
         """Choice ``ch`` finished: its open items close; after the last choice, the terminal event."""
         out: list[dict[str, Any]] = []
         ch.ended = True

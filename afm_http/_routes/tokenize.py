@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from quart import Response
 
-from afm_core import ChatRequest
+from afm_core.api import chat
 from afm_core.api import tokenize as api
 
 from .._asgi import AFMQuart
@@ -53,7 +53,7 @@ async def detokenize_tokens() -> Response:
 
 async def count_chat_tokens() -> Response:
     body = await read_json()
-    chat = ChatRequest.from_openai(body)
+    request = chat.parse(body)
     async with current_state().engine_for(model_choice(body)) as engine:
-        ids = await engine.tokenize_chat(chat)
+        ids = await engine.tokenize_chat(request)
     return json_response({"input_tokens": len(ids)})
