@@ -330,6 +330,8 @@ class MessageStream:
     @staticmethod
     def encode(events: Iterable[dict[str, Any]]) -> bytes:
         """SSE bytes for ``events``."""
+        if isinstance(events, list) and len(events) == 1:  # the common step: one event
+            return encode_event(events[0])
         return b"".join(encode_event(e) for e in events)
 
     # -- the non-streaming response ----------------------------------------------
@@ -524,7 +526,8 @@ class Writer:
         return self._out(self.state.start()) if self.streaming else b""
 
     def feed(self, choice: int, events: Sequence[object]) -> bytes:
-        return self._out(self.state.feed_many(events))
+        out = self.state.feed_many(events)
+        return self.state.encode(out) if self.streaming and out else b""
 
     def close(self, choice: int = 0) -> bytes:
         return self._out(self.state.close())

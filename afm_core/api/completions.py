@@ -281,7 +281,7 @@ class CompletionWriter:
         state.offset = len(text)  # the generated tokens start after the echoed text
         return self._chunk(state.index, text, logprobs)
 
-    def feed(self, index: int, events: Iterable[Event],
+    def feed(self, index: int, events: Sequence[Event],
              prompt_logprobs: ScoredPrompt | None = None) -> list[dict[str, Any]]:
         """The chunks for choice ``index``'s next events (none once it ended, or
         once any choice failed: the response ends with that error chunk)."""
@@ -289,6 +289,8 @@ class CompletionWriter:
         out: list[dict[str, Any]] = []
         if self.ended(index) or self.error is not None:
             return out  # nothing follows a choice's end, nor the response's failure
+        if len(events) == 1 and type(events[0]) is ContentDelta and (state.echoed or not self.call.echo):
+            return [self._chunk(index, events[0].text, self._empty_logprobs())]  # the common step
         items = list(events)
         while items and type(items[0]) is PromptProgress:  # the prompt is still being prefilled
             chunk = dict(self._head)
@@ -363,6 +365,8 @@ class CompletionWriter:
 
 def encode(chunks: Iterable[dict[str, Any]]) -> bytes:
     """``data: {...}`` SSE frames for ``chunks`` (then send :data:`DONE`)."""
+    if isinstance(chunks, list) and len(chunks) == 1:  # the common step: one chunk
+        return frame(chunks[0])
     return b"".join(frame(c) for c in chunks)
 
 
@@ -454,8 +458,13 @@ class Writer:
         return b""
 
     def feed(self, choice: int, events: Sequence[Event]) -> bytes:
-        scores = self._scores(choice) if self._scores is not None else None
-        return self._out(self.state.feed(choice, events, scores))
+        # the prompt's scores matter only to an echo with logprobs
+        scores = self._scores(choice) if self._scores is not None and self.state.call.echo else None
+        chunks = self.state.feed(choice, events, scores)
+        if self.streaming:
+            return encode(chunks)
+        self._kept += chunks
+        return b""
 
     def close(self, choice: int) -> bytes:
         return b"" if self.state.ended(choice) else self._out(self.state.feed(choice, [INTERRUPTED]))

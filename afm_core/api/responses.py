@@ -513,10 +513,15 @@ class ResponseWriter:
         return out
 
 
+def _frame(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+
+
 def encode(events: Iterable[dict[str, Any]]) -> bytes:
     """SSE frames ``event: TYPE`` / ``data: {...}`` for Responses events."""
-    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + dumps(e) + b"\n\n"
-                    for e in events)
+    if isinstance(events, list) and len(events) == 1:  # the common step: one event
+        return _frame(events[0])
+    return b"".join(_frame(e) for e in events)
 
 
 class Writer:
@@ -548,7 +553,8 @@ class Writer:
         return self._out(self.state.start()) if self.streaming else b""
 
     def feed(self, choice: int, events: Iterable[Event]) -> bytes:
-        return self._out(self.state.feed(events, choice))
+        out = self.state.feed(events, choice)
+        return encode(out) if self.streaming and out else b""
 
     def close(self, choice: int) -> bytes:
         return self._out(self.state.close(choice))
