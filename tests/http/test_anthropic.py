@@ -73,11 +73,15 @@ async def test_stream_helpers_and_frames(echo_model_dir: Path) -> None:
     text = "Two lines\nof streamed text"
     async with running_server(echo_model_dir) as (url, _):
         client = client_for(url)
-        async with client.messages.stream(model="m", max_tokens=100, messages=user(text)) as stream:
+        # Token by token, not at the end: the writer joins the deltas of the steps one
+        # wake-up of the server drains, so the answer is long enough (a few hundred
+        # steps) that no wake-up, however late under load, takes it all at once.
+        long = " ".join(f"line {i} of streamed text\n" for i in range(120))
+        async with client.messages.stream(model="m", max_tokens=2000, messages=user(long)) as stream:
             parts = [t async for t in stream.text_stream]
             final = await stream.get_final_message()
-        assert "".join(parts) == text and len(parts) > 1  # token by token, not at the end
-        assert final.content[0].type == "text" and final.content[0].text == text
+        assert "".join(parts) == long and len(parts) > 1
+        assert final.content[0].type == "text" and final.content[0].text == long
         assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0
         async with httpx.AsyncClient(base_url=url) as c:
             r, frames = await sse(c, {"model": "m", "max_tokens": 100, "stream": True, "messages": user(text)},
