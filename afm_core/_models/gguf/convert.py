@@ -1,33 +1,28 @@
-"""Convert llama-architecture GGUF files into mlx-lm model directories.
+"""Convert GGUF files into mlx-lm model directories.
 
 ``convert_gguf(src, dst)`` writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and the tokenizer files of
-:mod:`afm_core._models.gguf.tokenizer` into ``dst`` atomically (a temporary sibling
-directory renamed into place), so a killed conversion never leaves a
+:mod:`afm_core._models.gguf.tokenizer` into ``dst`` atomically (a temporary
+sibling directory renamed into place), so a killed conversion never leaves a
 half-written model behind.
 
-Tensor types:
-
-* ``F32``/``F16``/``BF16``: stored as ``dtype`` (float32 by default).
-* ``Q4_0``/``Q4_1``/``Q8_0``: ``mlx.core.load`` already returns them as MLX
-  affine triplets with ``group_size=32`` -- exactly: Q4_1 is ``d*q + m``
-  (scale ``d``, bias ``m``), Q4_0 is ``d*(q-8)`` (bias ``-8d``), Q8_0 is
-  ``d*q`` for signed ``q`` (unsigned ``q+128``, bias ``-128d``).  They stay
-  quantized with scales/biases cast to ``dtype`` (exact: the GGUF scales are
-  float16), or become ``dtype`` weights with ``dequantize=True``.
-* anything else (K-quants, IQ types, ...): :class:`GGUFError` naming the type.
-
-llama.cpp permutes the rows of ``attn_q``/``attn_k`` for its interleaved RoPE;
-the importer undoes that so the standard (non-traditional) mlx-lm llama model
-runs the weights.  Row permutations are exact on quantized weights, since a
-quantization group never spans rows.
+* Architectures: :mod:`afm_core._models.gguf.arch` (one module per family:
+  names, config, row orders, float transforms).
+* Quantized tensors: :mod:`afm_core._models.gguf.quants` puts each GGML type
+  onto MLX's affine layout (groups of 32), exactly for Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL and IQ4_XS, re-laid out for the 16-wide
+  groups of Q2_K, Q3_K and Q6_K.  Scales and biases are stored as
+  ``scale_dtype`` (see :data:`DEFAULT_SCALE_DTYPE`).  ``dequantize=True``
+  writes float weights instead (``gguf.quants.dequantize``: llama.cpp's own
+  values).
+* Float tensors (F32, F16, BF16) keep their values, stored as ``dtype``
+  (float32 by default: MLX's fast CPU type; the cast is exact).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections import Counter
@@ -38,25 +33,36 @@ from typing import Any
 import numpy as np
 
 from ..._errors import GGUFError, ModelLoadError
-from .reader import GGUFInfo, TensorInfo, read_gguf_info
+from .arch import Architecture, Hparams, get_architecture
+from .arch.llama import llama3_rope_factors
+from .quants import EXACT_TYPES, FLOAT_TYPES, GROUP_SIZE, RELAID_TYPES, to_mlx
+from .reader import GGUFInfo, TensorInfo, read_gguf_info, tensor_bytes
 from .tokenizer import build_tokenizer_files
 
 __all__ = [
     "CONVERTER_VERSION",
+    "DEFAULT_SCALE_DTYPE",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "auto_dequantize",
+    "build_config",
     "convert_gguf",
+    "llama3_rope_factors",
     "remove_partials",
 ]
 
 #: Bumped whenever the output of the converter changes (cache keys use it).
-CONVERTER_VERSION = 1
-SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-_QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-_GROUP_SIZE = 32
+CONVERTER_VERSION = 2
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *RELAID_TYPES)
 _DTYPES = ("float32", "float16", "bfloat16")
+_GROUP_SIZE = GROUP_SIZE
+
+#: Scales and biases of quantized layers.  float16 halves their bytes (one
+#: bit per weight at groups of 32 instead of two: decode on the CPU reads
+#: every byte once per token) for a perplexity change below what the
+#: measurement resolves (docs/models.md, "Converting GGUF files").
+DEFAULT_SCALE_DTYPE = "float16"
 
 #: Largest model auto-dequantized on CPU (1e9 parameters = 4 GB of float32).
 AUTO_DEQUANTIZE_MAX_PARAMS = 1_000_000_000
@@ -70,7 +76,7 @@ def count_parameters(info: GGUFInfo) -> int:
 
 
 def auto_dequantize(n_params: int) -> bool:
-    """Whether Q4/Q8 weights should be dequantized to float32 by default.
+    """Whether quantized weights should be dequantized to float32 by default.
 
     MLX's own CPU quantized matmul is slower than float32 GEMM/GEMV (measured
     in benchmarks/gguf_model.py), so without afm's kernels
@@ -89,154 +95,11 @@ def auto_dequantize(n_params: int) -> bool:
         return False
     return n_params <= AUTO_DEQUANTIZE_MAX_PARAMS
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_0-9]+)\.(weight|bias)$")
-# Tensors llama.cpp writes that the mlx-lm model recomputes or does not use.
-_IGNORED = {"rope_freqs.weight"}
-
-
-def _mlx_name(name: str) -> tuple[str, str]:
-    """(mlx-lm module path, 'weight'|'bias') for a GGUF tensor name."""
-    m = _TENSOR_RE.match(name)
-    if m is None:
-        raise GGUFError(f"unsupported GGUF tensor {name!r} for a llama model")
-    layer, base, kind = m.groups()
-    if layer is None and base in _TOP_NAMES:
-        return _TOP_NAMES[base], kind
-    if layer is not None and base in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[base]}", kind
-    if base.endswith("_exps") or base.endswith("_inp"):
-        raise GGUFError(f"unsupported GGUF tensor {name!r}: mixture-of-experts llama is not supported")
-    raise GGUFError(f"unsupported GGUF tensor {name!r} for a llama model")
-
-
-def _f32(value: Any) -> float:
-    """A GGUF float32 scalar as the shortest float that round-trips."""
-    return float(str(np.float32(value)))
-
-
-def _get_int(info: GGUFInfo, key: str, default: int | None = None) -> int:
-    value = info.get(key, default)
-    if value is None:
-        raise GGUFError(f"{info.path}: missing GGUF metadata key {key!r}")
-    if isinstance(value, np.ndarray):
-        if value.size == 0 or not np.all(value == value.flat[0]):
-            raise GGUFError(f"{info.path}: per-layer {key} values are not supported")
-        value = value.flat[0]
-    return int(value)
-
 
 def build_config(info: GGUFInfo) -> dict[str, Any]:
-    """The mlx-lm ``config.json`` for a llama GGUF (without quantization)."""
-    arch = info.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"{info.path}: unsupported GGUF architecture {arch!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    p = f"{arch}."
-    hidden = _get_int(info, p + "embedding_length")
-    heads = _get_int(info, p + "attention.head_count")
-    kv_heads = _get_int(info, p + "attention.head_count_kv", heads)
-    head_dim = _get_int(info, p + "attention.key_length", hidden // heads)
-    if _get_int(info, p + "attention.value_length", head_dim) != head_dim:
-        raise GGUFError(f"{info.path}: different key and value head sizes are not supported")
-    rope_dim = _get_int(info, p + "rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise GGUFError(f"{info.path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
-    if info.get(p + "expert_count"):
-        raise GGUFError(f"{info.path}: mixture-of-experts llama ({p}expert_count) is not supported")
-    tokens = info.get("tokenizer.ggml.tokens")
-    embd = next((t for t in info.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise GGUFError(f"{info.path}: no token_embd.weight tensor")
-    vocab = _get_int(info, p + "vocab_size", len(tokens) if tokens is not None else embd.shape[0])
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": _get_int(info, p + "block_count"),
-        "intermediate_size": _get_int(info, p + "feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": _f32(info.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "vocab_size": vocab,
-        "rope_theta": _f32(info.get(p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": _get_int(info, p + "context_length", 4096),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in info.tensors),
-        "attention_bias": any(t.name.endswith("attn_q.bias") for t in info.tensors),
-        "mlp_bias": any(t.name.endswith("ffn_up.bias") for t in info.tensors),
-    }
-    config["rope_scaling"] = _rope_scaling(info, p)
-    for key in ("bos", "eos"):
-        tid = info.get(f"tokenizer.ggml.{key}_token_id")
-        if tid is not None:
-            config[f"{key}_token_id"] = int(tid)
-    return config
-
-
-def llama3_rope_factors(
-    head_dim: int, base: float, factor: float, low: float, high: float, old_context: int
-) -> np.ndarray:
-    """Per-frequency RoPE factors as llama.cpp's converter writes ``rope_freqs``."""
-    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / freqs
-    smooth = (old_context / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, mid))
-
-
-def _rope_scaling(info: GGUFInfo, p: str) -> dict[str, Any] | None:
-    kind = info.get(p + "rope.scaling.type", "none")
-    rope_freqs = next((t for t in info.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        return _llama3_scaling(info, p, rope_freqs)
-    if kind in ("none", None):
-        return None
-    if kind == "linear":
-        return {"type": "linear", "factor": _f32(info.get(p + "rope.scaling.factor", 1.0))}
-    raise GGUFError(f"{info.path}: unsupported RoPE scaling type {kind!r} (supported: none, linear)")
-
-
-def _llama3_scaling(info: GGUFInfo, p: str, t: TensorInfo) -> dict[str, Any]:
-    """Recover llama 3.1-style ``rope_scaling`` from the ``rope_freqs`` tensor.
-
-    GGUF stores only the resulting factors; the usual parameters
-    (low/high frequency factors 1 and 4, original context 8192) are checked
-    against them, so an unknown variant fails instead of running wrong.
-    """
-    if t.type_name != "F32":
-        raise GGUFError(f"{info.path}: rope_freqs.weight of type {t.type_name} is not supported")
-    n = int(np.prod(t.shape))
-    raw = np.fromfile(info.path, dtype="<f4", count=n, offset=info.data_offset + t.offset)
-    if raw.size != n:
-        raise GGUFError(f"{info.path}: truncated rope_freqs.weight")
-    factors = raw.astype(np.float64)
-    heads = _get_int(info, p + "attention.head_count")
-    head_dim = _get_int(info, p + "attention.key_length", _get_int(info, p + "embedding_length") // heads)
-    base = float(info.get(p + "rope.freq_base", 10000.0))
-    factor = float(factors.max())
-    for low, high, old in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 16384), (1.0, 2.0, 8192)):
-        ref = llama3_rope_factors(head_dim, base, factor, low, high, old)
-        if ref.shape == factors.shape and np.allclose(ref, factors, rtol=1e-4, atol=1e-6):
-            return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": old}  # fmt: skip
-    raise GGUFError(
-        f"{info.path}: per-frequency RoPE factors (rope_freqs.weight) that match no known "
-        "llama 3 rope_scaling are not supported"
-    )
+    """The mlx-lm ``config.json`` for a GGUF file (without quantization)."""
+    arch = get_architecture(info.architecture, info.path)
+    return arch.config(Hparams(info, arch.gguf_name))
 
 
 def check_tensor_types(info: GGUFInfo) -> None:
@@ -249,17 +112,67 @@ def check_tensor_types(info: GGUFInfo) -> None:
             f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model with one of those."
         )
     for t in info.tensors:
-        if t.type_name in _QUANT_BITS and t.shape[-1] % _GROUP_SIZE:
-            raise GGUFError(f"{info.path}: {t.name} row length {t.shape[-1]} is not a multiple of 32")
+        t.n_bytes  # noqa: B018 - raises for a row length the type's block does not divide
 
 
-def _unpermute(x: Any, n_head: int) -> Any:
-    """Undo llama.cpp's ``permute`` on the rows of ``x`` (any MLX array)."""
-    rows = x.shape[0]
-    if rows % (2 * n_head):
-        raise GGUFError(f"cannot undo the Q/K permutation: {rows} rows for {n_head} heads")
-    rest = tuple(x.shape[1:])
-    return x.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+def _float_values(info: GGUFInfo, t: TensorInfo) -> np.ndarray:
+    """A float or quantized tensor's values as float32 (llama.cpp's own)."""
+    raw = tensor_bytes(info, t)
+    if t.type_name in ("F32", "F16"):
+        return np.asarray(raw, dtype=np.float32)
+    if t.type_name == "BF16":
+        bits = np.asarray(raw).reshape(-1).view("<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(t.shape)
+    import gguf
+
+    rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+    qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    values = gguf.quants.dequantize(np.asarray(raw).reshape(rows, -1), qtype)
+    return values.reshape(t.shape).astype(np.float32, copy=False)
+
+
+class _Writer:
+    """Accumulates the converted tensors (MLX arrays) and their bit widths."""
+
+    def __init__(self, dtype: str, scale_dtype: str) -> None:
+        import mlx.core as mx
+
+        self.mx = mx
+        self.dtype = getattr(mx, dtype)
+        self.scale_dtype = getattr(mx, scale_dtype)
+        self.out: dict[str, Any] = {}
+        self.bits: dict[str, int] = {}
+        self.relaid: Counter[str] = Counter()
+
+    def add_float(self, name: str, value: np.ndarray) -> None:
+        self.out[name] = self.mx.array(np.ascontiguousarray(value)).astype(self.dtype)
+        self.mx.eval(self.out[name])
+
+    def add_quant(self, module: str, t: TensorInfo, q: Any, order: np.ndarray | None) -> None:
+        mx = self.mx
+        parts = {"weight": q.weight, "scales": q.scales, "biases": q.biases}
+        if order is not None:
+            if order.shape[0] != q.weight.shape[0]:
+                raise GGUFError(f"{t.name}: {q.weight.shape[0]} rows, expected {order.shape[0]}")
+            parts = {k: v[order] for k, v in parts.items()}
+        lead = tuple(t.shape[:-1])
+        for key, value in parts.items():
+            arr = mx.array(np.ascontiguousarray(value).reshape(*lead, -1))
+            self.out[f"{module}.{key}"] = arr if key == "weight" else arr.astype(self.scale_dtype)
+        mx.eval(*(self.out[f"{module}.{k}"] for k in parts))
+        self.bits[module] = q.bits
+        if not q.exact:
+            self.relaid[t.type_name] += 1
+
+    def quantization(self) -> dict[str, Any] | None:
+        if not self.bits:
+            return None
+        default = Counter(self.bits.values()).most_common(1)[0][0]
+        quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default, "mode": "affine"}
+        for module, bits in sorted(self.bits.items()):
+            if bits != default:
+                quant[module] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
+        return quant
 
 
 def convert_weights(
@@ -268,67 +181,34 @@ def convert_weights(
     *,
     dequantize: bool = False,
     dtype: str = "float32",
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    q6k_bits: int = 8,
+    arch: Architecture | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(mlx-lm weights, quantization config or None) from a GGUF file's tensors."""
-    import mlx.core as mx
-
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, not {dtype!r}")
-    target = getattr(mx, dtype)
-    try:
-        raw = mx.load(info.path)
-    except Exception as exc:  # MLX raises RuntimeError/ValueError from C++
-        raise GGUFError(f"{info.path}: MLX could not read the GGUF tensors: {exc}") from exc
-    assert isinstance(raw, dict)
-    out: dict[str, Any] = {}
-    bits_of: dict[str, int] = {}
-    heads = {"self_attn.q_proj": config["num_attention_heads"],
-             "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
+    if dtype not in _DTYPES or scale_dtype not in _DTYPES:
+        raise ValueError(f"dtype and scale_dtype must be one of {_DTYPES}")
+    arch = arch or get_architecture(info.architecture, info.path)
+    w = _Writer(dtype, scale_dtype)
     for t in info.tensors:
-        if t.name in _IGNORED:
+        name = arch.map_name(t.name)
+        if name is None:
             continue
-        module, kind = _mlx_name(t.name)
-        n_head = next((n for suffix, n in heads.items() if module.endswith(suffix)), None)
-        parts = _tensor_parts(raw, t)
-        if n_head is not None:
-            parts = {k: _unpermute(v, n_head) for k, v in parts.items()}
-        if "scales" in parts:
-            bits = _QUANT_BITS[t.type_name]
-            scales = parts["scales"].astype(target)
-            biases = parts["biases"].astype(target)
-            if dequantize:
-                w = mx.dequantize(parts["weight"], scales, biases, group_size=_GROUP_SIZE, bits=bits)
-                out[f"{module}.{kind}"] = w.astype(target)
-            else:
-                out[f"{module}.weight"] = parts["weight"]
-                out[f"{module}.scales"] = scales
-                out[f"{module}.biases"] = biases
-                bits_of[module] = bits
-        else:
-            out[f"{module}.{kind}"] = parts["weight"].astype(target)
-        mx.eval(*(out[k] for k in out if k.startswith(module + ".")))
-    if "model.embed_tokens.weight" not in out:
+        order = arch.row_order(name, config)
+        quantized = t.type_name not in FLOAT_TYPES
+        if quantized and not dequantize and len(t.shape) >= 2 and name.endswith(".weight"):
+            q = to_mlx(tensor_bytes(info, t), t.type_name, t.shape, q6k_bits=q6k_bits)
+            w.add_quant(name[: -len(".weight")], t, q, order)
+            continue
+        value = arch.transform_float(name, _float_values(info, t))
+        if order is not None:
+            if value.shape[0] != order.shape[0]:
+                raise GGUFError(f"{t.name}: {value.shape[0]} rows, expected {order.shape[0]}")
+            value = value[order]
+        w.add_float(name, value)
+    if "model.embed_tokens.weight" not in w.out:
         raise GGUFError(f"{info.path}: no token_embd.weight tensor")
-    if not bits_of:
-        return out, None
-    default_bits = Counter(bits_of.values()).most_common(1)[0][0]
-    quant: dict[str, Any] = {"group_size": _GROUP_SIZE, "bits": default_bits, "mode": "affine"}
-    for module, bits in sorted(bits_of.items()):
-        if bits != default_bits:
-            quant[module] = {"group_size": _GROUP_SIZE, "bits": bits, "mode": "affine"}
-    return out, quant
-
-
-def _tensor_parts(raw: dict[str, Any], t: TensorInfo) -> dict[str, Any]:
-    """The MLX arrays for GGUF tensor ``t``: weight (+ scales, biases)."""
-    base = t.name[: -len(".weight")] if t.name.endswith(".weight") else None
-    if t.type_name in _QUANT_BITS:
-        if base is None or f"{base}.scales" not in raw:
-            raise GGUFError(f"{t.name}: quantized tensor without MLX scales (unexpected MLX loader)")
-        parts = {"weight": raw[t.name], "scales": raw[f"{base}.scales"], "biases": raw[f"{base}.biases"]}
-    else:
-        parts = {"weight": raw[t.name]}
-    return parts
+    return w.out, w.quantization()
 
 
 def convert_gguf(
@@ -340,11 +220,15 @@ def convert_gguf(
     overwrite: bool = False,
     progress: Progress | None = None,
     quantize: int | None = None,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    q6k_bits: int = 8,
 ) -> Path:
     """Convert the GGUF file ``src`` into the mlx-lm directory ``dst``.
 
-    ``dtype`` is the float type of weights, norms and quantization
-    scales/biases (activations follow it).  With ``dequantize`` the Q4/Q8
+    ``dtype`` is the float type of float weights and norms (activations
+    follow it); ``scale_dtype`` that of quantization scales and biases;
+    ``q6k_bits`` the MLX bit width Q6_K tensors become (8, or 6: see
+    :mod:`afm_core._models.gguf.quants`).  With ``dequantize`` quantized
     tensors are written as ``dtype`` weights instead of MLX quantized ones.
     The directory appears atomically; an existing non-empty ``dst`` is an
     error unless ``overwrite``.  Returns ``dst``.
@@ -352,16 +236,19 @@ def convert_gguf(
     say = progress or (lambda _msg: None)
     src_path, dst_path = Path(src), Path(dst)
     info = read_gguf_info(src_path)
-    config = build_config(info)
+    arch = get_architecture(info.architecture, info.path)
+    config = arch.config(Hparams(info, arch.gguf_name))
     check_tensor_types(info)
     types = Counter(t.type_name for t in info.tensors)
     say(
-        f"converting {src_path.name}: llama, {config['num_hidden_layers']} layers, "
-        f"hidden {config['hidden_size']}, tensors {dict(sorted(types.items()))}"
+        f"converting {src_path.name}: {arch.gguf_name} -> mlx-lm {arch.model_type}, "
+        f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"tensors {dict(sorted(types.items()))}"
     )
     tok_files = build_tokenizer_files(info.metadata)
     weights, quant = convert_weights(info, config, dequantize=dequantize or quantize is not None,
-                                     dtype=dtype)
+                                     dtype=dtype, scale_dtype=scale_dtype, q6k_bits=q6k_bits,
+                                     arch=arch)
     if quantize is not None:
         weights, quant = requantize(weights, quantize)
     config["torch_dtype"] = dtype
