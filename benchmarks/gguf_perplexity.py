@@ -35,12 +35,7 @@ import _common  # noqa: F401  (afm_core before mlx: OpenBLAS)
 # isort: split
 import argparse
 import json
-import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,7 +43,13 @@ from typing import Any
 
 import numpy as np
 
-TEXT = Path(__file__).resolve().parent.parent / "afm_core" / "testing" / "corpus.txt"
+from afm_core.testing._perplexity import (
+    CORPUS,
+    llamacpp_logprobs,
+    llamacpp_token_ids,
+    perplexity,
+    served_logprobs,
+)
 
 
 def gguf_file(name: str, gguf_dir: str | None) -> Path:
@@ -61,46 +62,18 @@ def gguf_file(name: str, gguf_dir: str | None) -> Path:
     return fetch_real_gguf(name)
 
 
-def ppl(logprobs: list[float] | np.ndarray) -> float:
-    return math.exp(-float(np.mean(logprobs)))
-
-
-# --- tokens -------------------------------------------------------------------------
-
-
-def llamacpp_model(path: Path, n_ctx: int) -> Any:
-    from llama_cpp import Llama
-
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, logits_all=True,
-                 verbose=False)
-
-
-def token_ids(path: Path, n: int, model_dir: Path | None) -> list[int]:
-    text = TEXT.read_text(encoding="utf-8")
+def token_ids(path: Path, n: int, model_dir: Path) -> list[int]:
     try:
-        llm = llamacpp_model(path, 64)
-        ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-    except ImportError:
+        return llamacpp_token_ids(path, n)
+    except ImportError:  # no llama.cpp: the converted model's own tokenizer
         from transformers import AutoTokenizer
 
-        assert model_dir is not None
-        ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(text)
-    return list(ids[:n])
-
-
-# --- scorers ------------------------------------------------------------------------
-
-
-def score_llamacpp(path: Path, ids: list[int]) -> list[float]:
-    llm = llamacpp_model(path, len(ids) + 16)
-    llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    logz = np.log(np.exp(logits).sum(axis=1))
-    return [float(logits[i, ids[i + 1]] - logz[i]) for i in range(len(ids) - 1)]
+        text = CORPUS.read_text(encoding="utf-8")
+        return list(AutoTokenizer.from_pretrained(str(model_dir)).encode(text))[:n]
 
 
 def score_raw(model_dir: Path, ids: list[int]) -> list[float]:
+    """The converted model's log-probabilities, one forward pass (afm's CPU kernels)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -108,53 +81,10 @@ def score_raw(model_dir: Path, ids: list[int]) -> list[float]:
 
     model, _ = load_model(model_dir)
     fuse_for_cpu(model)
-    out: list[float] = []
     logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     picked = mx.take_along_axis(lp, mx.array(ids[1:])[:, None], axis=-1)[:, 0]
-    out = np.array(picked).tolist()
-    del model
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def score_served(path: Path, ids: list[int], home: Path) -> tuple[list[float], float]:
-    """(log-probabilities of tokens 2..n, seconds from start to healthy) via afm serve."""
-    import httpx
-
-    port = _free_port()
-    env = {**os.environ, "AFM_HOME": str(home)}
-    log = open(home / "serve.log", "w")  # noqa: SIM115 - closed below
-    cmd = [str(Path(sys.executable).parent / "afm"), "serve", "--model", str(path), "--port", str(port)]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"afm serve exited: {(home / 'serve.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        ready = time.monotonic() - t0
-        body = {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=3600)
-        r.raise_for_status()
-        lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
-        assert lps[0] is None and len(lps) == len(ids), (len(lps), len(ids))
-        return [float(x) for x in lps[1:]], ready
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
+    return [float(x) for x in np.array(picked)]
 
 
 # --- layouts ------------------------------------------------------------------------
@@ -200,13 +130,12 @@ def main() -> int:
             print(f"{name}: {len(ids)} tokens; converted in {secs:.1f} s to {size / 1e6:.0f} MB",
                   flush=True)
             if args.llamacpp:
-                row["llamacpp"] = ppl(score_llamacpp(path, ids))
+                row["llamacpp"] = perplexity(llamacpp_logprobs(path, ids))
                 print(f"  llama.cpp           ppl {row['llamacpp']:.4f}", flush=True)
             if args.served:
                 home = work / "home"
-                home.mkdir()
-                lps, ready = score_served(path, ids, home)
-                row["afm_served"], row["serve_ready_s"] = ppl(lps), round(ready, 1)
+                lps, ready = served_logprobs(path, ids, home=home)
+                row["afm_served"], row["serve_ready_s"] = perplexity(lps), round(ready, 1)
                 print(f"  afm serve           ppl {row['afm_served']:.4f} (ready in {ready:.0f} s)", flush=True)
             dense_lp: np.ndarray | None = None
             for layout in filter(None, args.layouts.split(",")):
@@ -214,7 +143,7 @@ def main() -> int:
                 if layout != "default":
                     secs, size = convert_timed(path, out, **LAYOUTS[layout])
                 lp = np.array(score_raw(out, ids))
-                row[f"layout:{layout}"] = r = {"ppl": ppl(lp), "bytes": size, "convert_s": round(secs, 1)}
+                row[f"layout:{layout}"] = r = {"ppl": perplexity(lp), "bytes": size, "convert_s": round(secs, 1)}
                 if layout == "dense":
                     dense_lp = lp
                 elif dense_lp is not None:  # per-token log-probability moved by the layout

@@ -1,5 +1,9 @@
 """A minimal GGUF writer and llama.cpp's reference quantizers, for tests.
 
+The reader's edge cases (alignment, old versions, truncation) and the llama
+tests use it; the architecture and quant-type tests use ``gguf_build.py``
+(the ``gguf`` package's own writer).
+
 Independent of the importer under test: it follows the GGUF spec and
 llama.cpp's ``ggml-quants.c`` reference code (``quantize_row_q4_0_ref`` and
 friends), so a file written here is what llama.cpp's converter would write.
@@ -14,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "BF16": 30}
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 QK = 32
 
 # GGUF metadata value types
@@ -134,8 +138,6 @@ def encode(x: np.ndarray, qtype: str) -> bytes:
         return np.asarray(x, np.float32).astype(np.float16).tobytes()
     if qtype == "BF16":
         return to_bf16(x).tobytes()
-    if qtype == "Q4_K":  # only a placeholder of the right size: importers must refuse it
-        return bytes(np.asarray(x).size // 256 * 144)
     return {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1}[qtype](x)
 
 

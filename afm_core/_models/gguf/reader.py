@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..._errors import GGUFError
