@@ -211,3 +211,35 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
                         (*info.tensors[:3], iq2, *info.tensors[4:]), info.data_offset)
     with pytest.raises(GGUFError, match=r"unsupported GGUF tensor type\(s\) IQ2_XXS \(1 tensors\)"):
         check_tensor_types(broken)
+
+
+def test_converted_model_runs_on_afm_cpu_kernels(tmp_path: Path) -> None:
+    """Every bit width the conversion writes (4, 5, 6, 8) runs under
+    ``fuse_for_cpu``: layouts afm's kernels cover switch to them, the others
+    stay on MLX's ``quantized_matmul``; the logits agree with the unfused
+    model within the kernels' int8 activation rounding (about 1% of the
+    largest output, ``tests/mlx/test_qmatmul.py``)."""
+    from mlx_lm.utils import load_model
+
+    from afm_core._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
+    from afm_core._mlx.qmatmul import qmm_available, supports
+
+    m = Model("qwen2", np.random.default_rng(5), types=("Q4_K", "Q5_0", "Q6_K", "Q8_0"))
+    m_built, _ = build("qwen2")
+    m.meta, m.tensors, m.values = m_built.meta, [], {}
+    for name, _, type_name in m_built.tensors:
+        shape = m_built.values[name].shape
+        m.add(name, shape, None if len(shape) == 2 and name != "token_embd.weight" else type_name)
+    out = convert_gguf(m.write(tmp_path / "q.gguf"), tmp_path / "out", q6k_bits=6)
+    model, _ = load_model(out)
+    layers = [mod for _, mod in model.named_modules() if hasattr(mod, "bits")]
+    assert {mod.bits for mod in layers} == {4, 5, 6, 8}
+    plain = np.array(model(mx.array([IDS]))[0])
+    fuse_for_cpu(model)
+    for mod in layers:
+        fast = qmm_available() and supports(mod["weight"], mod["scales"], mod["biases"],
+                                            mod.group_size, mod.bits)
+        assert (type(mod).__name__ != "QuantizedLinear") == fast or "Embedding" in type(mod).__name__
+    fused = np.array(model(mx.array([IDS]))[0])
+    unfuse_cpu_kernels(model)
+    np.testing.assert_allclose(fused, plain, rtol=0, atol=0.03 * np.abs(plain).max())
