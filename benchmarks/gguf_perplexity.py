@@ -123,7 +123,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="afm-ppl-") as tmp:
             work = Path(tmp)
             base_dir = work / "default"
-            secs, size = convert_timed(path, base_dir)
+            base_secs, base_size = secs, size = convert_timed(path, base_dir)
             ids = token_ids(path, args.tokens, base_dir)
             row: dict[str, Any] = {"model": name, "tokens": len(ids), "gguf_bytes": path.stat().st_size,
                                    "convert_s": round(secs, 1), "converted_bytes": size}
@@ -140,8 +140,8 @@ def main() -> int:
             dense_lp: np.ndarray | None = None
             for layout in filter(None, args.layouts.split(",")):
                 out = base_dir if layout == "default" else work / layout
-                if layout != "default":
-                    secs, size = convert_timed(path, out, **LAYOUTS[layout])
+                secs, size = (base_secs, base_size) if layout == "default" else \
+                    convert_timed(path, out, **LAYOUTS[layout])
                 lp = np.array(score_raw(out, ids))
                 row[f"layout:{layout}"] = r = {"ppl": perplexity(lp), "bytes": size, "convert_s": round(secs, 1)}
                 if layout == "dense":

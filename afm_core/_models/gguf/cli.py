@@ -1,4 +1,5 @@
-"""``afm convert-gguf FILE OUT_DIR``: convert a llama GGUF file to an mlx-lm directory."""
+"""``afm convert-gguf FILE OUT_DIR``: convert a GGUF file (llama, qwen2/3, gemma2/3, phi3, ...)
+to an mlx-lm directory."""
 
 from __future__ import annotations
 
@@ -15,13 +16,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dequantize",
         action="store_true",
-        help="write Q4_0/Q4_1/Q8_0 tensors as float weights instead of MLX quantized ones",
+        help="write quantized tensors as float weights (llama.cpp's dequantized values) "
+        "instead of MLX quantized ones",
+    )
+    parser.add_argument(
+        "--scale-dtype",
+        choices=("float16", "float32", "bfloat16"),
+        default=None,
+        help="float type of the quantized layers' scales and biases (default: float16; the "
+        "embedding's stay float32)",
+    )
+    parser.add_argument(
+        "--q6k-bits",
+        type=int,
+        choices=(6, 8),
+        default=8,
+        help="MLX bit width of Q6_K tensors (default 8: one sub-block of each 32 exact, the other "
+        "within a quarter step; 6: smaller, within a whole step)",
     )
     parser.add_argument(
         "--dtype",
         choices=("float32", "float16", "bfloat16"),
         default="float32",
-        help="float type of weights, norms and scales (default: float32, fastest on CPU)",
+        help="float type of float weights and norms (default: float32, fastest on CPU)",
     )
     parser.add_argument(
         "--quantize",
@@ -51,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.force,
             progress=say,
             quantize=args.quantize,
+            q6k_bits=args.q6k_bits,
+            **({"scale_dtype": args.scale_dtype} if args.scale_dtype else {}),
         )
     except AFMError as exc:
         print(f"afm convert-gguf: error: {exc.message}", file=sys.stderr)
