@@ -76,7 +76,7 @@ def main() -> int:
             kind, dtype = variant.split("-", 1)
             out = Path(tmp) / variant
             t0 = time.perf_counter()
-            convert_gguf(gguf, out, dequantize=kind == "f", dtype=dtype)
+            convert_gguf(gguf, out, dequantize=kind == "f", dtype=dtype, scale_dtype=dtype)
             conv = time.perf_counter() - t0
             size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
             r = bench(out, args.tokens, args.repeats)
