@@ -5,8 +5,9 @@ through BLAS (1 x 576 @ 576 x 1536: 1.22 ms for 4 and 8 bits against 0.29 ms
 in float32; 128 rows: 153 ms against 4.5 ms), so a quantized model decodes
 slower than its float32 twin although it reads 4-8x fewer bytes.
 ``afm_core._mlx.qmm_ext`` (``ext/qmm/``) is an MLX primitive for the same
-product on MLX's affine layout (4 or 8 bits, groups of 32, 64 or 128; float32,
-float16 or bfloat16 scales), computed as llama.cpp does:
+product on MLX's affine layout (2, 3, 4, 5, 6 or 8 bits: every width but 1;
+groups of 32, 64 or 128; float32, float16 or bfloat16 scales), computed as
+llama.cpp does:
 
 * each activation row is quantized to int8 per block of 32 values and the
   products run on 8-bit integers (AVX2 ``vpmaddubsw`` or AVX-512 VNNI
@@ -106,6 +107,9 @@ def _load() -> _Extension | None:
 _ext: _Extension | None = _load()
 
 _SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+KERNEL_BITS = (2, 3, 4, 5, 6, 8)
+"""The affine bit widths the kernels cover (MLX's 1-bit layout stays on MLX)."""
+KERNEL_GROUPS = (32, 64, 128)
 
 
 def extension() -> _Extension | None:
@@ -132,8 +136,8 @@ def _on_cpu() -> bool:
 def supports(w: mx.array, scales: mx.array, biases: mx.array | None,
              group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether the kernels cover this layout (the device aside)."""
-    return (mode == "affine" and biases is not None and bits in (4, 8)
-            and group_size in (32, 64, 128) and w.ndim == 2 and w.dtype == mx.uint32
+    return (mode == "affine" and biases is not None and bits in KERNEL_BITS
+            and group_size in KERNEL_GROUPS and w.ndim == 2 and w.dtype == mx.uint32
             and scales.dtype in _SCALE_TYPES and biases.dtype == scales.dtype
             and scales.ndim == 2)
 

@@ -1,5 +1,6 @@
 // afm_core._mlx.qmm_ext: an MLX primitive computing x @ dequantize(w).T on the CPU
-// for MLX's affine quantized layout (4 or 8 bits, groups of 32, 64 or 128),
+// for MLX's affine quantized layout (2, 3, 4, 5, 6 or 8 bits, groups of 32, 64
+// or 128),
 // with the integer kernels of qmm_kernels.cpp spread over a small persistent
 // thread pool.  Built by setup.py (qmm_extensions) against the headers of the
 // installed mlx wheel and the nanobind version mlx was built with (domain
@@ -447,7 +448,9 @@ class AfmQuantizedMatmul : public mx::Primitive {
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("afm qmm: bits must be 4 or 8");
+  if (bits < 2 || bits > 8 || bits == 7) {
+    throw std::invalid_argument("afm qmm: bits must be 2, 3, 4, 5, 6 or 8");
+  }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("afm qmm: group_size must be 32, 64 or 128");
   }

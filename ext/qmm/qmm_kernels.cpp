@@ -60,6 +60,18 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// Element e of a block in MLX's packing: a little-endian bit stream, element
+// e at bits [bits * e, bits * (e + 1)) (so a block of 32 is 4 * bits bytes).
+inline int weight_value(const uint8_t* blk, int bits, int e) {
+  const int bit = bits * e, byte = bit >> 3, s = bit & 7;
+  unsigned v = static_cast<unsigned>(blk[byte]) >> s;
+  if (s + bits > 8) v |= static_cast<unsigned>(blk[byte + 1]) << (8 - s);
+  return static_cast<int>(v & ((1u << bits) - 1));
+}
+
+template <int BITS>
+constexpr int kBlockBytes = 4 * BITS;
+
 void convert_row(const void* src, ScaleType t, size_t start, int n, float* dst) {
   if (t == ScaleType::f32) {
     std::memcpy(dst, static_cast<const float*>(src) + start, sizeof(float) * n);
@@ -79,32 +91,95 @@ inline void load_row_scales(const QWeights& wt, int n, int ng, float* s, float* 
   convert_row(wt.biases, wt.scale_type, start, ng, b);
 }
 
+// ---------------------------------------------------------------- unpacking
+// 3, 5 and 6 bits: an element spans at most two bytes.  A byte shuffle puts
+// the two bytes holding each of 8 elements into a 16-bit word, a multiply
+// moves the element to the word's top `bits` bits, a shift brings it down,
+// and a saturating pack makes bytes of two such registers: 16 elements per
+// 128-bit lane, in natural order (block_element).
+
+// For a 128-bit lane holding a block's bytes from byte `base` on: shuffle
+// indices and multipliers that unpack elements [first, first + 8).
+struct LaneUnpack {
+  uint8_t idx[16];
+  uint16_t mul[8];
+};
+
+constexpr LaneUnpack lane_unpack(int bits, int first, int base) {
+  LaneUnpack u{};
+  for (int k = 0; k < 8; ++k) {
+    const int bit = bits * (first + k) - 8 * base;
+    const int byte = bit >> 3, s = bit & 7;
+    // (an element whose second byte would lie past the lane needs none)
+    if (bit < 0 || byte > 15 || (byte == 15 && s + bits > 8)) throw "element outside the lane";
+    u.idx[2 * k] = static_cast<uint8_t>(byte);
+    u.idx[2 * k + 1] = static_cast<uint8_t>(byte < 15 ? byte + 1 : 0x80);
+    u.mul[k] = static_cast<uint16_t>(1u << (16 - bits - s));
+  }
+  return u;
+}
+
+// Lanes of `n` x 128 bits, lane l holding the elements [first[l], first[l] + 8)
+// from the bytes at base[l]: one register's shuffle and multipliers.
+template <int LANES>
+struct Unpack {
+  alignas(64) uint8_t idx[16 * LANES];
+  alignas(64) uint16_t mul[8 * LANES];
+};
+
+template <int LANES>
+constexpr Unpack<LANES> make_unpack(int bits, const int* first, const int* base) {
+  Unpack<LANES> u{};
+  for (int l = 0; l < LANES; ++l) {
+    const LaneUnpack lane = lane_unpack(bits, first[l], base[l]);
+    for (int i = 0; i < 16; ++i) u.idx[16 * l + i] = lane.idx[i];
+    for (int i = 0; i < 8; ++i) u.mul[8 * l + i] = lane.mul[i];
+  }
+  return u;
+}
+
+// 256 bits (AVX2): one block, lane 0 its elements 0-15 from its first 16
+// bytes, lane 1 its elements 16-31 from the 16 bytes ending at its end (3
+// bits: its 12 bytes in both lanes).  A: the first 8 elements of each lane, B: the next 8.
+template <int BITS>
+constexpr int kLane1Base = BITS == 3 ? 0 : 4 * BITS - 16;
+
+template <int BITS>
+struct Unpack256 {
+  static constexpr int first_a[2] = {0, 16}, first_b[2] = {8, 24};
+  static constexpr int base[2] = {0, kLane1Base<BITS>};
+  static constexpr Unpack<2> a = make_unpack<2>(BITS, first_a, base);
+  static constexpr Unpack<2> b = make_unpack<2>(BITS, first_b, base);
+};
+
+// 128 or 512 bits (NEON, AVX-512): every lane holds one half of a block from
+// the half's first byte (elements 0-15 of the half).
+template <int BITS, int LANES>
+struct UnpackHalf {
+  static constexpr int first_a[4] = {0, 0, 0, 0}, first_b[4] = {8, 8, 8, 8};
+  static constexpr int base[4] = {0, 0, 0, 0};
+  static constexpr Unpack<LANES> a = make_unpack<LANES>(BITS, first_a, base);
+  static constexpr Unpack<LANES> b = make_unpack<LANES>(BITS, first_b, base);
+};
+
 // ---------------------------------------------------------------- scalar
 namespace scalar {
 
 static constexpr float kOffset8 = 0.0f;
 
+// The oracle: each weight extracted from MLX's bit stream on its own.
 template <int BITS, int R>
 static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
                            const int8_t* const* xq, const float* const* xd, float* res) {
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   for (int blk = 0; blk < nb; ++blk) {
+    const uint8_t* p = w + blk * kBlockBytes<BITS>;
     int32_t sum[R];
     for (int r = 0; r < R; ++r) sum[r] = 0;
-    if constexpr (BITS == 4) {
-      const uint8_t* p = w + blk * 16;
-      for (int i = 0; i < 16; ++i) {
-        const int lo = p[i] & 0x0F, hi = p[i] >> 4;
-        for (int r = 0; r < R; ++r) {
-          sum[r] += lo * xq[r][blk * 32 + i] + hi * xq[r][blk * 32 + 16 + i];
-        }
-      }
-    } else {
-      const uint8_t* p = w + blk * 32;
-      for (int i = 0; i < 32; ++i) {
-        for (int r = 0; r < R; ++r) sum[r] += p[i] * xq[r][blk * 32 + i];
-      }
+    for (int i = 0; i < 32; ++i) {
+      const int v = weight_value(p, BITS, block_element(BITS, i));
+      for (int r = 0; r < R; ++r) sum[r] += v * xq[r][blk * 32 + i];
     }
     const float sc = s[blk >> shift];
     for (int r = 0; r < R; ++r) acc[r] += static_cast<float>(sum[r]) * (xd[r][blk] * sc);
@@ -132,6 +207,42 @@ static inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #endif
 }
 
+// One half of a block (its 16 elements, 3, 5 or 6 bits), from the half's first byte.
+template <int BITS>
+static inline uint8x16_t unpack_half(const uint8_t* p) {
+  using U = UnpackHalf<BITS, 1>;
+  const uint8x16_t src = vld1q_u8(p);
+  uint16x8_t lo = vreinterpretq_u16_u8(vqtbl1q_u8(src, vld1q_u8(U::a.idx)));
+  uint16x8_t hi = vreinterpretq_u16_u8(vqtbl1q_u8(src, vld1q_u8(U::b.idx)));
+  lo = vshrq_n_u16(vmulq_u16(lo, vld1q_u16(U::a.mul)), 16 - BITS);
+  hi = vshrq_n_u16(vmulq_u16(hi, vld1q_u16(U::b.mul)), 16 - BITS);
+  return vcombine_u8(vmovn_u16(lo), vmovn_u16(hi));
+}
+
+// The 32 weights of a block in the activations' order (block_element), as
+// signed bytes (8 bits: q - 128).
+template <int BITS>
+static inline void load_w(const uint8_t* p, int8x16_t& w0, int8x16_t& w1) {
+  if constexpr (BITS == 4) {
+    const uint8x16_t raw = vld1q_u8(p);
+    w0 = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
+    w1 = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+  } else if constexpr (BITS == 8) {
+    const uint8x16_t off = vdupq_n_u8(0x80);
+    w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p), off));
+    w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 16), off));
+  } else if constexpr (BITS == 2) {
+    const uint8x8_t raw = vld1_u8(p), m = vdup_n_u8(3);
+    w0 = vreinterpretq_s8_u8(vcombine_u8(vand_u8(raw, m), vand_u8(vshr_n_u8(raw, 2), m)));
+    w1 = vreinterpretq_s8_u8(vcombine_u8(vand_u8(vshr_n_u8(raw, 4), m), vshr_n_u8(raw, 6)));
+  } else {  // the block's 4 * BITS bytes, then 16 from each half's start
+    uint8_t tmp[32] = {};
+    std::memcpy(tmp, p, 4 * BITS);
+    w0 = vreinterpretq_s8_u8(unpack_half<BITS>(tmp));
+    w1 = vreinterpretq_s8_u8(unpack_half<BITS>(tmp + 2 * BITS));
+  }
+}
+
 template <int BITS, int R>
 static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
                            const int8_t* const* xq, const float* const* xd, float* res) {
@@ -139,15 +250,7 @@ static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
   for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
   for (int blk = 0; blk < nb; ++blk) {
     int8x16_t w0, w1;
-    if constexpr (BITS == 4) {
-      const uint8x16_t raw = vld1q_u8(w + blk * 16);
-      w0 = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F)));
-      w1 = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
-    } else {
-      const uint8x16_t off = vdupq_n_u8(0x80);
-      w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + blk * 32), off));
-      w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + blk * 32 + 16), off));
-    }
+    load_w<BITS>(w + blk * 4 * BITS, w0, w1);
     const float sc = s[blk >> shift];
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq[r] + blk * 32;
@@ -250,14 +353,7 @@ static void quantize_block(const float* t, int bits, int8_t* qb, float* d, float
     v[i] = static_cast<int8_t>(static_cast<int>(u + (u >= 0.0f ? 0.5f : -0.5f)));
     if (rest != nullptr) rest[i] = t[i] - scale * static_cast<float>(v[i]);
   }
-  if (bits == 4) {  // evens, then odds (the two nibbles of each weight byte)
-    for (int i = 0; i < 16; ++i) {
-      qb[i] = v[2 * i];
-      qb[16 + i] = v[2 * i + 1];
-    }
-  } else {
-    std::memcpy(qb, v, 32);
-  }
+  for (int p = 0; p < 32; ++p) qb[p] = v[block_element(bits, p)];  // the weights' order
 }
 
 void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
@@ -288,8 +384,8 @@ void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
 }
 
 void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
-  const int K = wt.K, ng = K / wt.group, per = 8 / wt.bits;  // values per byte
-  const size_t row_bytes = static_cast<size_t>(K) * wt.bits / 8;
+  const int K = wt.K, ng = K / wt.group, bits = wt.bits;
+  const size_t row_bytes = static_cast<size_t>(K) * bits / 8;
   float* s = thread_scratch(2 * static_cast<size_t>(ng));
   float* b = s + ng;
   for (int n = n0; n < n1; ++n) {
@@ -299,15 +395,22 @@ void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
     for (int g = 0; g < ng; ++g) {
       const float sc = s[g], bi = b[g];
       const int k0 = g * wt.group;
-      if (per == 2) {
+      if (bits == 4) {
         const uint8_t* p = w + k0 / 2;
         for (int i = 0; i < wt.group / 2; ++i) {
           out[k0 + 2 * i] = sc * static_cast<float>(p[i] & 0x0F) + bi;
           out[k0 + 2 * i + 1] = sc * static_cast<float>(p[i] >> 4) + bi;
         }
-      } else {
+      } else if (bits == 8) {
         const uint8_t* p = w + k0;
         for (int i = 0; i < wt.group; ++i) out[k0 + i] = sc * static_cast<float>(p[i]) + bi;
+      } else {  // a block of 32 is 4 * bits whole bytes
+        for (int k = k0; k < k0 + wt.group; k += 32) {
+          const uint8_t* p = w + static_cast<size_t>(k / 32) * 4 * bits;
+          for (int i = 0; i < 32; ++i) {
+            out[k + i] = sc * static_cast<float>(weight_value(p, bits, i)) + bi;
+          }
+        }
       }
     }
   }

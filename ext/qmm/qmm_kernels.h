@@ -1,8 +1,9 @@
 // Quantized matrix products for MLX's affine layout on the CPU (afm_core._qmm_ext).
 //
-// Weights: MLX's affine group quantization, row-major (N, K): each uint32 word
-// packs 32/bits values, lowest bits first; value w = scale * q + bias per group
-// of `group` values along K.  Activations are float32 and get quantized per
+// Weights: MLX's affine group quantization, row-major (N, K), 2, 3, 4, 5, 6 or
+// 8 bits: each row is a little-endian bit stream, element k at bits
+// [bits * k, bits * (k + 1)) (so a block of 32 elements is 4 * bits whole
+// bytes); value w = scale * q + bias per group of `group` values along K.  Activations are float32 and get quantized per
 // block of 32 values to int8 (x ~= d * qx, |qx| <= 127), as llama.cpp does, so
 // the inner products run on 8-bit integers; the bias term uses the exact float
 // sum of x over each group.
@@ -21,9 +22,19 @@ enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
 // Activations quantized by quantize_rows() (or by a kernel set's own
 // `quantize`, in the same buffers: avx512-vnni stores 16-bit activations as
 // one int16 row where quantize_rows stores two int8 passes).
+// Element (in MLX's order) of a block of 32 that position p of its quantized
+// activations holds: the order each bit width unpacks most cheaply in, the
+// same for every kernel set.  8, 3, 5 and 6 bits: natural; 4 bits: the even
+// elements, then the odd ones (the low and high nibbles of 16 bytes); 2 bits:
+// position 8j + i holds element 4i + j (bits 2j.. of 8 bytes).
+constexpr int block_element(int bits, int p) {
+  return bits == 4 ? (p < 16 ? 2 * p : 2 * (p - 16) + 1)
+         : bits == 2 ? 4 * (p & 7) + (p >> 3)
+                     : p;
+}
+
 struct QActs {
-  const int8_t* q = nullptr;  // [M][K]; for 4 bits each block of 32 holds
-                              // its even elements, then its odd ones
+  const int8_t* q = nullptr;  // [M][K], each block of 32 in block_element order
   const float* d = nullptr;   // [M][K/32] block scales
   const float* xsum = nullptr;  // [M][K/group] exact sums of x per group
   int M = 0, K = 0;  // M: quantized rows, `passes` per output row
