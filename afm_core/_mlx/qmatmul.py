@@ -67,7 +67,11 @@ class _Extension(Protocol):
     """The face of ``afm_core._mlx.qmm_ext``."""
 
     def quantized_matmul(self, x: mx.array, w: mx.array, scales: mx.array,
-                         biases: mx.array, group_size: int, bits: int) -> mx.array: ...
+                         biases: mx.array, group_size: int, bits: int,
+                         bias: mx.array | None = None) -> mx.array: ...
+    def quantized_matmul_split(self, x: mx.array, w: mx.array, scales: mx.array,
+                               biases: mx.array, group_size: int, bits: int, splits: list[int],
+                               bias: list[mx.array | None] = ...) -> list[mx.array]: ...
     def isa(self) -> str: ...
     def available_isas(self) -> list[str]: ...
     def set_isa(self, name: str) -> bool: ...
@@ -158,14 +162,25 @@ def _mode(layer: Any) -> str:
     return str(getattr(layer, "mode", "affine"))
 
 
+def fused_bias(layer: Any, x: mx.array) -> mx.array | None:
+    """``layer``'s bias when the product can add it itself: of ``x``'s dtype
+    (the sum's dtype is then the product's, as with MLX's own add), 1-D."""
+    bias = layer.get("bias") if "bias" in layer else None
+    if bias is not None and bias.dtype == x.dtype and bias.ndim == 1:
+        return bias  # type: ignore[no-any-return]
+    return None
+
+
 class _FastQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` whose product runs on ``afm_core._mlx.qmm_ext``."""
+    """``nn.QuantizedLinear`` whose product runs on ``afm_core._mlx.qmm_ext``
+    (its bias added by the same operation where the dtypes allow)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         assert _ext is not None
+        bias = fused_bias(self, x)
         y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                  self.group_size, self.bits)
-        if "bias" in self:
+                                  self.group_size, self.bits, bias)
+        if "bias" in self and bias is None:
             y = y + self["bias"]
         return y
 

@@ -11,24 +11,16 @@ small matrices of a decode step costs about as much as the arithmetic.
 scales and biases into one matrix (the layers' own parameters become row
 slices of it: views, no second copy) and makes the layers share one
 :class:`_Group`: the first member called with an input computes the whole
-product, and each member returns its columns of it.  Every output row is
-computed exactly as it was alone (the kernels quantize each activation row
-once and compute each output row on its own), so results are the same bits
+product as one operation with one output per member
+(``qmm_ext.quantized_matmul_split``: no slice operations, and no member's
+array keeps its siblings' columns alive), each member's bias (Qwen2's q/k/v
+biases) added by that same operation; each member returns its own output.
+Every output row is computed exactly as it was alone (the kernels quantize
+each activation row once and compute each output row on its own; the bias is
+the same one float32 addition), so results are the same bits
 (``tests/mlx/test_qmm_groups.py``).  A member called with a different input
 than its siblings computes its own slice of the weights instead, so a model
 that does not call them together stays correct.
-
-A member's columns are a view of the family's product, which keeps the whole
-product alive as long as the view is.  A KV cache can hold that view: when a
-prefill chunk fills a cache's buffer exactly (a chunk of a multiple of 256
-tokens, mlx-lm's allocation step, e.g. every full 2048-token chunk), MLX's
-slice assignment that writes it into the cache keeps the value projection's
-view itself rather than a copy, and the cache then held the q/k/v product
-(5x the values' bytes on the default model; 135 MiB for 45 MiB of cache
-after a 1,024-token prompt) while reporting the values' bytes.  From
-``COPY_ROWS`` rows (prefill), each member gets its columns as an array of
-their own; a decode step's few rows keep the free view (its cache writes
-never cover a whole buffer).
 
 ``AFM_NO_QMM_GROUPS=1`` leaves the layers apart (for comparisons).
 """
@@ -50,23 +42,20 @@ SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_
 
 NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
 
-COPY_ROWS = 64
-"""Rows of a family's product from which members get copies of their columns
-(see the module docstring)."""
-
 
 class _Group:
     """One family's concatenated weight and the last product computed with it."""
 
     __slots__ = (
         "_left",
+        "_outs",
         "_x",
-        "_y",
         "biases",
         "bits",
-        "bounds",
         "group_size",
+        "members",
         "scales",
+        "splits",
         "weight",
     )
 
@@ -77,34 +66,38 @@ class _Group:
         mx.eval(self.weight, self.scales, self.biases)
         self.group_size: int = layers[0].group_size
         self.bits: int = layers[0].bits
-        bounds, start = [], 0
-        for layer in layers:
-            n = layer["weight"].shape[0]
-            bounds.append((start, start + n))
-            start += n
-        self.bounds: tuple[tuple[int, int], ...] = tuple(bounds)
+        self.members: list[Any] = layers
+        self.splits: list[int] = [int(layer["weight"].shape[0]) for layer in layers]
         self._x: mx.array | None = None
-        self._y: mx.array | None = None
+        self._outs: list[mx.array] | None = None
         self._left: set[int] = set()
 
+    def bounds(self, index: int) -> tuple[int, int]:
+        """Member ``index``'s rows of the family's matrix."""
+        start = sum(self.splits[:index])
+        return start, start + self.splits[index]
+
     def columns(self, x: mx.array, index: int) -> mx.array:
-        """Member ``index``'s output for ``x``, from the family's one product."""
+        """Member ``index``'s output for ``x`` (its bias added), from the
+        family's one product."""
         if self._x is not x:
             ext = _qmm.extension()
             assert ext is not None
+            biases = [_qmm.fused_bias(layer, x) for layer in self.members]
             self._x = x
-            self._y = ext.quantized_matmul(x, self.weight, self.scales, self.biases,
-                                           self.group_size, self.bits)
-            self._left = set(range(len(self.bounds)))
-        y = self._y
-        assert y is not None
+            self._outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases,
+                                                    self.group_size, self.bits, self.splits,
+                                                    biases)
+            for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
+                if "bias" in layer and bias is None:  # a bias the product cannot add
+                    self._outs[i] = self._outs[i] + layer["bias"]
+            self._left = set(range(len(self.splits)))
+        outs = self._outs
+        assert outs is not None
         self._left.discard(index)
         if not self._left:  # every member served: hold no activations between calls
-            self._x = self._y = None
-        a, b = self.bounds[index]
-        if y.size // y.shape[-1] >= COPY_ROWS:
-            return mx.contiguous(y[..., a:b])
-        return y[..., a:b]
+            self._x = self._outs = None
+        return outs[index]
 
 
 class _GroupedQuantizedLinear(_qmm._FastQuantizedLinear):
@@ -114,10 +107,7 @@ class _GroupedQuantizedLinear(_qmm._FastQuantizedLinear):
     _index: int
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self._group.columns(x, self._index)
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+        return self._group.columns(x, self._index)
 
 
 def _groupable(layers: list[Any]) -> bool:
@@ -145,7 +135,7 @@ def group_siblings(model: nn.Module) -> int:
                 continue
             group = _Group(layers)
             for index, layer in enumerate(layers):
-                a, b = group.bounds[index]
+                a, b = group.bounds(index)
                 layer["weight"] = group.weight[a:b]
                 layer["scales"] = group.scales[a:b]
                 layer["biases"] = group.biases[a:b]

@@ -1,4 +1,4 @@
-// The CPU half of an afm MLX primitive with one output: allocate it, then
+// The CPU half of an afm MLX primitive: allocate its outputs, then
 // queue the computation as a task on the primitive's stream, as MLX's own
 // CPU primitives do.  The caller's task holds weak copies of its arrays (made
 // after allocate(), so the output's copy sees its buffer).
@@ -24,6 +24,16 @@ void dispatch(const mlx::core::Stream& stream, const std::vector<mlx::core::arra
   auto& enc = mlx::core::cpu::get_command_encoder(stream);
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  enc.dispatch(std::move(fn));
+}
+
+// The same for a primitive with several outputs.
+template <typename Fn>
+void dispatch(const mlx::core::Stream& stream, const std::vector<mlx::core::array>& inputs,
+              std::vector<mlx::core::array>& outputs, Fn fn) {
+  auto& enc = mlx::core::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
   enc.dispatch(std::move(fn));
 }
 

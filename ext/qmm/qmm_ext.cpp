@@ -115,11 +115,27 @@ class Pool {
       fn(c);
       done_.fetch_add(1, std::memory_order_release);
     }
-    while (done_.load(std::memory_order_acquire) != chunks) cpu_relax();
+    wait_done(chunks);
   }
 
  private:
   static constexpr int kMaxChunks = 0xFFFF;
+
+  // Until the workers' claimed chunks are done: a short spin (the usual
+  // case: a worker finishing its last chunk), then yielding the core, so a
+  // worker that the scheduler preempted mid-chunk (other processes, or more
+  // threads than cores) can finish it instead of the caller burning the
+  // core it needs.
+  void wait_done(int chunks) {
+    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+      if (spins < kWaitSpins) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+  static constexpr int kWaitSpins = 2000;  // ~10-50 us of pause instructions
 
   // The next unclaimed chunk of job `gen`, or -1 when it has none left (or a
   // newer job replaced it).  A successful claim means job `gen` is still
@@ -304,13 +320,38 @@ ScaleType scale_type(mx::Dtype t) {
   throw std::invalid_argument("afm qmm: scales and biases must be float32, float16 or bfloat16");
 }
 
+// x's rows as dense float32 (x itself when it already is): a decode step's few
+// rows of a float16 or bfloat16 model, converted here instead of by two MLX
+// operations around the product.
+const float* float_rows(const mx::array& x, int M, int K, const int64_t* offs, int64_t ks,
+                        std::vector<float>& buf) {
+  bool dense = ks == 1;
+  for (int m = 0; dense && m < M; ++m) dense = offs[m] == static_cast<int64_t>(m) * K;
+  if (x.dtype() == mx::float32 && dense) return x.data<float>();
+  buf.resize(static_cast<size_t>(M) * K);
+  for (int m = 0; m < M; ++m) {
+    float* dst = buf.data() + static_cast<size_t>(m) * K;
+    if (x.dtype() == mx::float32) {
+      const float* src = x.data<float>() + offs[m];
+      for (int k = 0; k < K; ++k) dst[k] = src[k * ks];
+    } else if (x.dtype() == mx::float16) {
+      const mx::float16_t* src = x.data<mx::float16_t>() + offs[m];
+      for (int k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k * ks]);
+    } else {
+      const mx::bfloat16_t* src = x.data<mx::bfloat16_t>() + offs[m];
+      for (int k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k * ks]);
+    }
+  }
+  return buf.data();
+}
+
+// y (M x N, float32, dense) = x @ dequantize(w).T
 void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, mx::array& out, int group, int bits) {
+             const mx::array& biases, float* y, int group, int bits) {
   const int K = x.shape(-1);
   const int N = w.shape(0);
   const int M = K > 0 ? static_cast<int>(x.size() / K) : 0;
   const int nb = K / 32, ng = K / group;
-  float* y = out.data<float>();
   if (M == 0 || N == 0) return;
 
   // row m of x: offsets from the strides of the leading dimensions
@@ -328,6 +369,10 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
       offsets[m] = off;
     }
   }
+  thread_local std::vector<float> xbuf;
+  const float* xp = float_rows(x, M, K, offsets.data(), x.strides(-1), xbuf);
+  for (int m = 0; m < M; ++m) offsets[m] = static_cast<int64_t>(m) * K;  // now dense
+  const int64_t ks = 1;
   const int passes = act_passes();
   const int MQ = M * passes;  // rows of quantized activations
   thread_local std::vector<int8_t> q;
@@ -366,8 +411,6 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   int8_t* qp = q.data();
   float* dp = d.data();
   float* sp = xsum.data();
-  const float* xp = x.data<float>();
-  const int64_t ks = x.strides(-1);
   if (Sgemm sgemm = find_sgemm(); sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows()) {
     gemm_path(sgemm, xp, offs, ks, M, wt, y);
     return;
@@ -406,23 +449,63 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     };
     p.run(threads, chunks, job);
   }
-
 }
 
+// out[m, :] = y[m, start : start + n] (+ bias), in out's dtype (rounded to
+// nearest even, as MLX's astype).
+void write_columns(const float* y, int M, int N, int start, int n, const mx::array* bias,
+                   mx::array& out) {
+  thread_local std::vector<float> bf;
+  const float* bp = nullptr;
+  if (bias != nullptr) {
+    bf.resize(n);
+    for (int j = 0; j < n; ++j) {
+      const int64_t at = static_cast<int64_t>(j) * bias->strides(0);
+      bf[j] = bias->dtype() == mx::float32   ? bias->data<float>()[at]
+              : bias->dtype() == mx::float16 ? static_cast<float>(bias->data<mx::float16_t>()[at])
+                                             : static_cast<float>(bias->data<mx::bfloat16_t>()[at]);
+    }
+    bp = bf.data();
+  }
+  for (int m = 0; m < M; ++m) {
+    const float* src = y + static_cast<size_t>(m) * N + start;
+    const size_t row = static_cast<size_t>(m) * n;
+    if (out.dtype() == mx::float32) {
+      float* dst = out.data<float>() + row;
+      // (y + bias is the one float32 addition MLX's own add would make)
+      for (int j = 0; j < n; ++j) dst[j] = bp != nullptr ? src[j] + bp[j] : src[j];
+    } else if (out.dtype() == mx::float16) {
+      mx::float16_t* dst = out.data<mx::float16_t>() + row;
+      for (int j = 0; j < n; ++j) dst[j] = static_cast<mx::float16_t>(bp != nullptr ? src[j] + bp[j] : src[j]);
+    } else {
+      mx::bfloat16_t* dst = out.data<mx::bfloat16_t>() + row;
+      for (int j = 0; j < n; ++j) dst[j] = static_cast<mx::bfloat16_t>(bp != nullptr ? src[j] + bp[j] : src[j]);
+    }
+  }
+}
+
+// x @ dequantize(w).T as one or more outputs: output i is the columns
+// [offset_i, offset_i + splits[i]) of the product, plus bias i where given
+// (sibling projections of one input computed as one product, each member's
+// columns in an array of its own: no slice operations, no view keeping the
+// whole product alive).
 class AfmQuantizedMatmul : public mx::Primitive {
  public:
-  AfmQuantizedMatmul(mx::Stream stream, int group, int bits)
-      : mx::Primitive(stream), group_(group), bits_(bits) {}
+  AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
+                     std::vector<bool> has_bias)
+      : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
+        has_bias_(std::move(has_bias)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    afm_cpu::allocate(out);
-    afm_cpu::dispatch(stream(), inputs, out, [x = mx::array::unsafe_weak_copy(inputs[0]),
-                  w = mx::array::unsafe_weak_copy(inputs[1]),
-                  s = mx::array::unsafe_weak_copy(inputs[2]),
-                  b = mx::array::unsafe_weak_copy(inputs[3]),
-                  out = mx::array::unsafe_weak_copy(out), group = group_,
-                  bits = bits_]() mutable { compute(x, w, s, b, out, group, bits); });
+    for (auto& o : outputs) afm_cpu::allocate(o);
+    std::vector<mx::array> weak_in, weak_out;
+    for (const auto& a : inputs) weak_in.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& o : outputs) weak_out.push_back(mx::array::unsafe_weak_copy(o));
+    afm_cpu::dispatch(stream(), inputs, outputs,
+                      [in = std::move(weak_in), out = std::move(weak_out), group = group_,
+                       bits = bits_, splits = splits_, has_bias = has_bias_]() mutable {
+                        run(in, out, group, bits, splits, has_bias);
+                      });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -433,21 +516,52 @@ class AfmQuantizedMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ && has_bias_ == o.has_bias_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    mx::Shape shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
-    return {shape};
+    std::vector<mx::Shape> shapes;
+    for (int n : splits_) {
+      mx::Shape shape = inputs[0].shape();
+      shape.back() = n;
+      shapes.push_back(std::move(shape));
+    }
+    return shapes;
   }
 
  private:
+  static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, int group, int bits,
+                  const std::vector<int>& splits, const std::vector<bool>& has_bias) {
+    const mx::array& x = in[0];
+    const int K = x.shape(-1), N = in[1].shape(0);
+    const int M = K > 0 ? static_cast<int>(x.size() / K) : 0;
+    const bool direct = splits.size() == 1 && !has_bias[0] && out[0].dtype() == mx::float32;
+    thread_local std::vector<float> ybuf;
+    float* y = out[0].data<float>();
+    if (!direct) {
+      ybuf.resize(static_cast<size_t>(M) * N);
+      y = ybuf.data();
+    }
+    compute(x, in[1], in[2], in[3], y, group, bits);
+    if (direct || M == 0) return;
+    int start = 0;
+    size_t next_bias = 4;
+    for (size_t i = 0; i < splits.size(); ++i) {
+      const mx::array* bias = has_bias[i] ? &in[next_bias++] : nullptr;
+      write_columns(y, M, N, start, splits[i], bias, out[i]);
+      start += splits[i];
+    }
+  }
+
   int group_, bits_;
+  std::vector<int> splits_;
+  std::vector<bool> has_bias_;
 };
 
-mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::array& w,
+                                              const mx::array& scales, const mx::array& biases,
+                                              int group_size, int bits, std::vector<int> splits,
+                                              const std::vector<std::optional<mx::array>>& bias) {
   if (bits < 2 || bits > 8 || bits == 7) {
     throw std::invalid_argument("afm qmm: bits must be 2, 3, 4, 5, 6 or 8");
   }
@@ -459,7 +573,7 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   }
   const int K = w.shape(1) * 32 / bits;
   const int N = w.shape(0);
-  if (x_in.ndim() < 1 || x_in.shape(-1) != K) {
+  if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("afm qmm: x's last dimension does not match w");
   }
   const mx::Shape sshape = {N, K / group_size};
@@ -472,17 +586,48 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   if (stream.device != mx::Device::cpu) {
     throw std::invalid_argument("afm qmm: the default device must be the CPU");
   }
-  const mx::Dtype out_type = x_in.dtype();
-  if (!mx::issubdtype(out_type, mx::floating)) {
-    throw std::invalid_argument("afm qmm: x must be a floating point array");
+  const mx::Dtype out_type = x.dtype();
+  if (out_type != mx::float32 && out_type != mx::float16 && out_type != mx::bfloat16) {
+    throw std::invalid_argument("afm qmm: x must be float32, float16 or bfloat16");
   }
-  mx::array x = out_type == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
-  mx::Shape shape = x.shape();
-  shape.back() = N;
-  mx::array y(std::move(shape), mx::float32,
-              std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits),
-              {x, w, scales, biases});
-  return out_type == mx::float32 ? y : mx::astype(y, out_type, stream);
+  if (splits.empty()) splits.push_back(N);
+  int total = 0;
+  for (int n : splits) {
+    if (n <= 0) throw std::invalid_argument("afm qmm: every split must have columns");
+    total += n;
+  }
+  if (total != N) throw std::invalid_argument("afm qmm: the splits must add up to w's rows");
+  if (!bias.empty() && bias.size() != splits.size()) {
+    throw std::invalid_argument("afm qmm: one bias (or None) per split");
+  }
+  std::vector<mx::array> inputs = {x, w, scales, biases};
+  std::vector<bool> has_bias(splits.size(), false);
+  for (size_t i = 0; i < bias.size(); ++i) {
+    if (!bias[i].has_value()) continue;
+    const mx::array& b = *bias[i];
+    if (b.ndim() != 1 || b.shape(0) != splits[i] || b.dtype() != out_type) {
+      throw std::invalid_argument("afm qmm: a bias must be 1-D, of its split's width and of x's dtype");
+    }
+    inputs.push_back(b);
+    has_bias[i] = true;
+  }
+  std::vector<mx::Shape> shapes;
+  for (int n : splits) {
+    mx::Shape shape = x.shape();
+    shape.back() = n;
+    shapes.push_back(std::move(shape));
+  }
+  std::vector<mx::Dtype> dtypes(splits.size(), out_type);
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes,
+      std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias), inputs);
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits,
+                           const std::optional<mx::array>& bias) {
+  return quantized_matmul_split(x, w, scales, biases, group_size, bits, {},
+                                {bias})[0];
 }
 
 // ---------------------------------------------------------------- attention
@@ -646,9 +791,13 @@ NB_MODULE(qmm_ext, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "x @ dequantize(w).T on the CPU for MLX's affine quantized layout";
   m.def("quantized_matmul", &afm_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a,
-        "x @ dequantize(w, scales, biases).T, float32 accumulation, activations quantized "
-        "to int8 per block of 32");
+        "group_size"_a, "bits"_a, "bias"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T (+ bias, 1-D, x's dtype), in x's dtype (float32, "
+        "float16 or bfloat16), float32 accumulation, activations quantized per block of 32");
+  m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
+        "quantized_matmul as one array per split: output i is the next splits[i] columns of "
+        "the product, plus bias[i] where it is not None (1-D, x's dtype)");
   afm_layer::register_layer_ops(m);
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false,

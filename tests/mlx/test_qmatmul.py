@@ -299,3 +299,42 @@ def test_model_greedy_tokens_match_mlx_lm(tmp_path, bits):
     unfuse_cpu_kernels(model)
     assert [type(m) for _, m in model.named_modules()] == classes
     assert _greedy(model, prompt, 12) == expected
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_split_outputs_with_biases_in_the_input_dtype(dtype):
+    """One product as one array per split (sibling projections), each with its
+    own bias where given: the same bits as the whole product's columns plus
+    the bias (one float32 addition), rounded once to x's dtype."""
+    q, s, b = _weights(96, 256, 4, 32, mx.float16)
+    x = mx.random.normal((3, 256)).astype(dtype)
+    whole = np.array(ext.quantized_matmul(x.astype(mx.float32), q, s, b, 32, 4))
+    bias = [mx.random.normal((40,)).astype(dtype), None, mx.random.normal((16,)).astype(dtype)]
+    outs = ext.quantized_matmul_split(x, q, s, b, 32, 4, [40, 40, 16], bias)
+    assert [o.shape for o in outs] == [(3, 40), (3, 40), (3, 16)]
+    assert all(o.dtype == dtype for o in outs)
+    start = 0
+    for out, width, bi in zip(outs, [40, 40, 16], bias, strict=True):
+        cols = mx.array(whole[:, start:start + width])
+        ref = (cols + bi.astype(mx.float32) if bi is not None else cols).astype(dtype)
+        assert mx.array_equal(out, ref), (dtype, start)
+        start += width
+    one = ext.quantized_matmul(x, q, s, b, 32, 4, mx.random.normal((96,)).astype(dtype))
+    assert one.dtype == dtype and one.shape == (3, 96)
+
+
+@needs_ext
+def test_split_rejects_what_it_cannot_do():
+    q, s, b = _weights(64, 128, 4, 32)
+    x = mx.zeros((1, 128))
+    with pytest.raises(ValueError, match="add up"):
+        ext.quantized_matmul_split(x, q, s, b, 32, 4, [32, 16])
+    with pytest.raises(ValueError, match="bias"):
+        ext.quantized_matmul_split(x, q, s, b, 32, 4, [32, 32], [mx.zeros((16,)), None])
+    with pytest.raises(ValueError, match="bias"):
+        ext.quantized_matmul(x, q, s, b, 32, 4, mx.zeros((64,), dtype=mx.float16))
+    with pytest.raises(ValueError, match="one bias"):
+        ext.quantized_matmul_split(x, q, s, b, 32, 4, [32, 32], [None])
+    with pytest.raises(ValueError, match="x must be"):
+        ext.quantized_matmul(mx.zeros((1, 128), dtype=mx.int32), q, s, b, 32, 4)

@@ -82,7 +82,7 @@ def test_a_member_called_alone_and_no_activations_held(tmp_path):
     assert q_x.shape == (1, 3, 128)
     for layer in (attn.q_proj, attn.k_proj, attn.v_proj):
         layer(y)
-    assert group._x is None and group._y is None  # every member served: nothing held
+    assert group._x is None and group._outs is None  # every member served: nothing held
 
 
 def test_nothing_groups_without_the_extension(tmp_path, monkeypatch):
@@ -114,3 +114,58 @@ def test_a_kv_cache_holds_only_its_own_bytes_after_a_whole_buffer_prefill(tmp_pa
         own = sum(c.nbytes for c in cache)
         assert own <= held < own * 1.05, (length, held, own)
         del cache
+
+
+def _qwen2(bits=4):
+    """A tiny random Qwen2 (q/k/v projections with biases)."""
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, rms_norm_eps=1e-6,
+                           vocab_size=512, num_key_value_heads=2, rope_theta=10000.0,
+                           tie_word_embeddings=True)
+    mx.random.seed(11)
+    model = qwen2.Model(args)
+    nn.quantize(model, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def _ops(model):
+    import collections
+    import re
+    import tempfile
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 17, 256, 3]]), cache=cache))
+    y = model(mx.array([[7]]), cache=cache)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, y)
+        return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle',
+                                              f.read()))
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 6])
+def test_biases_added_by_the_grouped_product(bits, monkeypatch):
+    """Qwen2's q/k/v biases are added by the family's one operation: the same
+    bits as the layers apart (each adding its own), close to mlx-lm's own
+    layers, and three additions and the columns' slices fewer per layer."""
+    model = _qwen2(bits)
+    ref = _logits(model)
+    plain = _ops(model)
+    monkeypatch.setenv(qmm_groups.NO_GROUPS_ENV, "1")
+    _qmatmul.use_fast_qmm(model)
+    apart = _logits(model)
+    monkeypatch.delenv(qmm_groups.NO_GROUPS_ENV)
+    assert qmm_groups.group_siblings(model) == 2 * 2
+    grouped = _logits(model)
+    for a, b, r in zip(grouped, apart, ref, strict=True):
+        assert np.array_equal(a, b)
+        assert np.abs(a - r).max() <= 1e-3 * np.abs(r).max()
+    ops = _ops(model)
+    assert ops["Add"] == plain["Add"] - 3 * 2
+    assert ops["Slice"] <= plain["Slice"]
+    assert ops["AfmQuantizedMatmul"] == 2 * 4 + 1  # q/k/v, o, gate/up, down; the head
