@@ -24,6 +24,11 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #endif
+#if defined(__linux__)
+#include <sched.h>
+
+#include <cstdio>
+#endif
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -85,10 +90,12 @@ int env_int(const char* name, int fallback) {
 class Pool {
  public:
   explicit Pool(int threads) : size_(threads < 1 ? 1 : threads) {
-    spin_us_ = env_int("AFM_QMM_SPIN_US", 0);
+    spin_us_.store(env_int("AFM_QMM_SPIN_US", 0));
     for (int i = 1; i < size_; ++i) std::thread([this, i] { work(i); }).detach();
   }
   int size() const { return size_; }
+  int spin_us() const { return spin_us_.load(); }
+  void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us); }
 
   // fn(c) for every chunk c in [0, chunks), on the caller and up to n - 1
   // workers; all on the caller when another thread is using the pool.
@@ -157,7 +164,7 @@ class Pool {
     while ((g = state_.load(std::memory_order_acquire) >> 32) == seen) {
       cpu_relax();
       if ((++spins & 63) == 0 &&
-          std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+          std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_.load())) {
         std::unique_lock<std::mutex> lk(mu_);
         sleepers_.fetch_add(1);
         cv_.wait(lk, [&] { return (state_.load() >> 32) != seen; });
@@ -184,7 +191,7 @@ class Pool {
   }
 
   const int size_;
-  int spin_us_ = 0;
+  std::atomic<int> spin_us_{0};
   uint64_t gen_ = 0;  // the last job's number (under busy_)
   std::mutex busy_, mu_;
   std::condition_variable cv_;
@@ -199,8 +206,63 @@ std::mutex g_pool_mu;
 std::atomic<int> g_thread_limit{0};  // 0: all of the pool
 std::atomic<const KernelSet*> g_kernels{nullptr};
 
+#if defined(__linux__)
+std::string read_text(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return {};
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  return std::string(buf, n);
+}
+
+// Physical cores among the CPUs this process may run on (SMT siblings share a
+// core's load units and memory path: a second thread on one does not help
+// these memory-bound products), 0 if unknown.
+int affinity_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+  std::vector<std::string> cores;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set)) continue;
+    const std::string topo = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+    const std::string id = read_text(topo + "physical_package_id") + "/" + read_text(topo + "core_id");
+    if (id == "/") return CPU_COUNT(&set);  // no topology: count the CPUs
+    if (std::find(cores.begin(), cores.end(), id) == cores.end()) cores.push_back(id);
+  }
+  return static_cast<int>(cores.size());
+}
+
+// The CPUs a cgroup CPU quota allows (a container's --cpus), rounded up; 0 if none.
+int cgroup_cpus() {
+  std::string own;  // this process's cgroup v2 path ("0::/path")
+  const std::string groups = read_text("/proc/self/cgroup");
+  if (const size_t at = groups.find("0::"); at != std::string::npos) {
+    own = groups.substr(at + 3, groups.find('\n', at) - at - 3);
+  }
+  long long quota = -1, period = 0;
+  const std::string v2 = read_text("/sys/fs/cgroup" + own + "/cpu.max");
+  if (!v2.empty()) {
+    if (v2.rfind("max", 0) == 0) return 0;
+    std::sscanf(v2.c_str(), "%lld %lld", &quota, &period);
+  } else {  // cgroup v1
+    std::sscanf(read_text("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").c_str(), "%lld", &quota);
+    std::sscanf(read_text("/sys/fs/cgroup/cpu/cpu.cfs_period_us").c_str(), "%lld", &period);
+  }
+  if (quota <= 0 || period <= 0) return 0;
+  return static_cast<int>((quota + period - 1) / period);
+}
+#endif
+
+// AFM_QMM_THREADS, else the physical cores this process may use (within a
+// cgroup's CPU quota), at most 16.
 int default_threads() {
   int n = env_int("AFM_QMM_THREADS", 0);
+  if (n > 0) return n > 16 ? 16 : n;
+#if defined(__linux__)
+  n = affinity_cores();
+  if (const int quota = cgroup_cpus(); quota > 0 && (n <= 0 || quota < n)) n = quota;
+#endif
   if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
   if (n <= 0) n = 1;
   return n > 16 ? 16 : n;
@@ -837,8 +899,13 @@ NB_MODULE(qmm_ext, m) {
         "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): int8 plus "
         "an int8 remainder, two integer products.");
   m.def("num_threads", [] { return afm_qmm::pool().size(); },
-        "Threads of the pool (AFM_QMM_THREADS, default: the CPUs).");
+        "Threads of the pool (AFM_QMM_THREADS, default: the physical cores this process may "
+        "use, within a cgroup CPU quota, at most 16).");
   m.def("set_thread_limit", [](int n) { afm_qmm::g_thread_limit.store(n); }, "n"_a,
         "Use at most n threads per product (0: all of the pool).");
+  m.def("spin_us", [] { return afm_qmm::pool().spin_us(); },
+        "Microseconds a worker spins after a job before it sleeps (AFM_QMM_SPIN_US).");
+  m.def("set_spin_us", [](int us) { afm_qmm::pool().set_spin_us(us); }, "us"_a,
+        "Set how long a worker spins after a job before it sleeps.");
   afm_qmm::register_quantized_attention(m);
 }

@@ -1,7 +1,8 @@
 // Kernels for afm_core._mlx.qmm_ext: activation quantization, and one integer
-// gemv/gemm per instruction set (portable scalar; AVX2, AVX2 with AVX-512
-// VNNI's vpdpbusd, and 512-bit AVX-512 VNNI on x86-64, chosen at run time; NEON
-// on arm64).  See qmm_kernels.h.
+// gemv/gemm per instruction set (portable scalar; on x86-64, chosen at run
+// time: AVX2, AVX2 with AVX-VNNI (VEX, "avx-vnni"), AVX2 with AVX-512 VNNI's
+// 256-bit forms ("avx2-vnni"), and 512-bit AVX-512 VNNI; NEON on arm64).  See
+// qmm_kernels.h.
 #include "qmm_kernels.h"
 
 #include <cmath>
@@ -302,6 +303,27 @@ namespace vnni {
 #include "qmm_x86.inc"
 #undef QMM_VNNI
 }  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avxvnni"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#endif
+namespace avxvnni {
+#define QMM_VNNI 2
+#include "qmm_x86.inc"
+#undef QMM_VNNI
+}  // namespace avxvnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#endif
 // GCC's own 512-bit intrinsics start from _mm512_undefined_*(), which its
 // -Wmaybe-uninitialized reports at every inlined use: not our code's warning.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -323,7 +345,7 @@ namespace avx512 {
 #endif
 
 struct Available {
-  KernelSet sets[5];
+  KernelSet sets[6];
   int count = 0;
   Available() {
     sets[count++] = {scalar::range, "scalar", quantize_rows};
@@ -334,6 +356,7 @@ struct Available {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
       sets[count++] = {avx2::range, "avx2", avx2::quantize};
+      if (__builtin_cpu_supports("avxvnni")) sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize};
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
         sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize};

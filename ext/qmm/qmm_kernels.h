@@ -78,7 +78,7 @@ struct KernelSet {
 };
 
 // The best kernel set this CPU runs, or the one named by AFM_QMM_ISA
-// (scalar, avx2, avx2-vnni, avx512-vnni, neon) if this CPU runs it.
+// (scalar, avx2, avx-vnni, avx2-vnni, avx512-vnni, neon) if this CPU runs it.
 const KernelSet& select_kernels();
 // Every kernel set this CPU can run (for tests), best last.
 int available_kernels(const KernelSet** out, int max);
