@@ -2,13 +2,16 @@
 # Debian packages the real-component tests drive, installed when missing and we
 # run as root: haproxy (2.6+) for the replica tests (tests/deploy), chromium and
 # chromium-driver for the chat page's browser tests (tests/ui; selenium comes
-# from the `test` extra).  It never fails CI: without them those tests skip,
+# from the `test` extra), g++-aarch64-linux-gnu and qemu-user for the NEON
+# kernels' check under emulation (tests/mlx/test_qmm_native.py).  It never fails CI: without them those tests skip,
 # saying what is missing.
 set -u
 missing=()
 command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || missing+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
