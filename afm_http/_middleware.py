@@ -6,6 +6,13 @@ paths (``_errors.api_for_path``).  There the key may also come as
 ``x-api-key`` (what Anthropic's SDKs send), responses carry ``request-id``
 too, and CORS allows Anthropic's request headers.  While the server drains,
 new generation requests are refused with 503 (``_refuse_while_draining``).
+Before all of it, what a web page may not ask (:mod:`._browser`: a foreign
+``Origin`` or ``Host`` without a key, a body that is not JSON, a cross-site
+``/admin`` request) is refused.
+
+The key is compared as bytes: a header's value arrives as its raw bytes
+(HTTP headers are bytes; the server hands them over decoded as Latin-1), so
+a key outside ASCII matches what clients send, its UTF-8.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from werkzeug.exceptions import HTTPException
 from afm_core import AFMError
 
 from ._asgi import AFMQuart
+from ._browser import BrowserPolicy, refusal
 from ._drain import GENERATION_PATHS, RETRY_AFTER_SECONDS
 from ._errors import api_for_path, error_response, from_exception, from_http_exception
 from ._ids import ID_RULE, client_request_id
@@ -58,17 +66,39 @@ async def _refuse_while_draining() -> Response | None:
                           api=api_for_path(request.path))
 
 
+def _header_bytes(value: str) -> bytes:
+    """A header value's bytes as they came (the server decodes them as Latin-1)."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:  # (not from the wire: nothing there decodes past U+00FF)
+        return value.encode("utf-8", "surrogateescape")
+
+
 def _authorized(header: str | None, api_key: str) -> bool:
     scheme, _, token = (header or "").partition(" ")
-    supplied = token.strip().encode("utf-8", "surrogateescape")
+    supplied = _header_bytes(token.strip())
     # compare_digest runs in time independent of where the strings differ
     return hmac.compare_digest(supplied, api_key.encode("utf-8")) and scheme.lower() == "bearer"
 
 
 def _authorized_key(header: str | None, api_key: str) -> bool:
     """An ``x-api-key`` header (Anthropic's SDKs) holding the key."""
-    supplied = (header or "").strip().encode("utf-8", "surrogateescape")
+    supplied = _header_bytes((header or "").strip())
     return header is not None and hmac.compare_digest(supplied, api_key.encode("utf-8"))
+
+
+def _browser_refusal() -> Response | None:
+    """The refusal of a request a web page must not make (:mod:`._browser`), if any."""
+    state = current_state()
+    cfg = state.config
+    policy = BrowserPolicy(keyed=cfg.api_key is not None, cors_origins=cfg.cors_origins,
+                           allowed_hosts=cfg.allowed_hosts, listen_hosts=state.listen_hosts)
+    no = refusal(policy, method=request.method, path=request.path, headers=request.headers,
+                 has_body=sent_a_body())
+    if no is None:
+        return None
+    return error_response(no.status, no.message, type=no.type, code=no.code,
+                          api=api_for_path(request.path))
 
 
 def _public(path: str, method: str) -> bool:
@@ -83,6 +113,8 @@ def _public(path: str, method: str) -> bool:
 async def _prepare() -> Response | None:
     rid, valid = client_request_id(request.headers.get("X-Request-ID"))
     set_request_id(rid)
+    if (refused := _browser_refusal()) is not None:
+        return refused
     if request.method == "OPTIONS":  # CORS preflight never carries credentials
         return None
     api_key = current_state().config.api_key

@@ -44,7 +44,8 @@ async def test_disconnect_before_body_iteration_leaves_the_engine(echo_model_dir
                 started.set()
                 await trio.sleep_forever()  # the disconnect's cancellation lands here
 
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", b"gone-early")]
+        headers = [(b"host", b"127.0.0.1:2"), (b"content-type", b"application/json"),
+                   (b"x-request-id", b"gone-early")]
         with trio.fail_after(30):
             await app(_scope("/v1/chat/completions", headers), receive, send)
         assert sent[0]["status"] == 200

@@ -14,6 +14,7 @@ from afm_http.testing import running_server
 
 CHAT = "/v1/chat/completions"
 OK_BODY = b'{"messages": [{"role": "user", "content": "fine"}]}'
+JSON = {"Content-Type": "application/json"}  # (without a key a body must say it is JSON)
 
 
 def envelope_of(r: httpx.Response) -> dict:
@@ -41,7 +42,7 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
 async def test_every_route_but_health_needs_the_key(echo_model_dir: Path) -> None:
     cfg = ServerConfig(api_key="s3cret")
     async with running_server(echo_model_dir, server=cfg) as (url, engine), \
-            httpx.AsyncClient(base_url=url) as c:
+            httpx.AsyncClient(base_url=url, headers=JSON) as c:
         routes = [("GET", "/v1/models"), ("GET", f"/v1/models/{engine.model_id}"), ("GET", "/metrics"),
                   ("POST", CHAT), ("POST", f"{CHAT}/x/cancel"), ("GET", "/nope"), ("DELETE", CHAT)]
         for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
@@ -64,13 +65,13 @@ async def test_every_route_but_health_needs_the_key(echo_model_dir: Path) -> Non
 
 async def test_cors_off_by_default_and_exact_when_configured(echo_model_dir: Path) -> None:
     preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
-    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url, headers=JSON) as c:
         for r in (await c.options(CHAT, headers=preflight),
                   await c.post(CHAT, content=OK_BODY, headers={"Origin": "http://evil.example"})):
             assert not any(h.startswith("access-control-") for h in r.headers)
     cfg = ServerConfig(cors_origins=("http://app.example",), api_key="k")
     async with running_server(echo_model_dir, server=cfg) as (url, _), \
-            httpx.AsyncClient(base_url=url) as c:
+            httpx.AsyncClient(base_url=url, headers=JSON) as c:
         r = await c.options(CHAT, headers={**preflight, "Origin": "http://app.example"})
         assert r.status_code == 200  # preflights carry no credentials
         assert r.headers["access-control-allow-origin"] == "http://app.example"
@@ -89,7 +90,7 @@ async def test_cors_off_by_default_and_exact_when_configured(echo_model_dir: Pat
 async def test_body_limits_chunked_and_declared(echo_model_dir: Path) -> None:
     cfg = ServerConfig(max_body_bytes=1000)
     async with running_server(echo_model_dir, server=cfg) as (url, engine), \
-            httpx.AsyncClient(base_url=url) as c:
+            httpx.AsyncClient(base_url=url, headers=JSON) as c:
         r = await c.post(CHAT, content=b" " * 1001 + OK_BODY)
         assert r.status_code == 413 and envelope_of(r)["code"] == "request_too_large"
 
@@ -103,7 +104,8 @@ async def test_body_limits_chunked_and_declared(echo_model_dir: Path) -> None:
         assert r.status_code == 413 and r.headers["connection"] == "close"
         # raw: the server answers early and closes instead of hanging on the unread body
         port = int(url.rsplit(":", 1)[1])
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")
         out = await raw_exchange(port, head + b"64\r\n" + b"x" * 100 + b"\r\n" * 1 +
                                  (b"64\r\n" + b"x" * 100 + b"\r\n") * 40)
         assert out.startswith(b"HTTP/1.1 413")
@@ -113,7 +115,7 @@ async def test_body_limits_chunked_and_declared(echo_model_dir: Path) -> None:
 
 
 async def test_request_id_cannot_inject(echo_model_dir: Path) -> None:
-    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url, headers=JSON) as c:
         for bad in ("a" * 129, "has space", 'quote"d', "semi;colon", "slash/y", "-leading", "tab\tx"):
             r = await c.post(CHAT, content=OK_BODY, headers={"X-Request-ID": bad})
             assert r.status_code == 400 and envelope_of(r)["param"] == "X-Request-ID", bad
@@ -144,7 +146,7 @@ async def test_request_id_cannot_inject(echo_model_dir: Path) -> None:
     b'"just a string"',
 ])
 async def test_malformed_requests_are_400_never_500(echo_model_dir: Path, payload: bytes) -> None:
-    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url, headers=JSON) as c:
         r = await c.post(CHAT, content=payload, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
         envelope_of(r)
@@ -152,7 +154,7 @@ async def test_malformed_requests_are_400_never_500(echo_model_dir: Path, payloa
 
 
 async def test_sdk_sees_typed_errors(echo_model_dir: Path) -> None:
-    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url, headers=JSON) as c:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model="m", messages=[])
