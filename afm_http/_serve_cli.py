@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from ._registry import ModelSpec
 
+DEFAULT_STORE_BYTES = 128 << 20
+
 DEFAULT_KEEP_ALIVE = 300.0
 """How long an idle model stays loaded when several are served (Ollama's 5 minutes)."""
 
@@ -105,12 +107,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the chat page's own files (the page sends the key it is given)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="without --api-key, also accept requests whose Host header is NAME "
+                             "(besides IP addresses, localhost and --host; repeatable; '*' for any): "
+                             "other names are refused, against DNS rebinding (default: none)")
     parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=8 << 20,
                         help="larger request bodies get 413 (default: 8 MiB)")
     parser.add_argument("--responses-store-size", type=_int_at_least(0), default=1000,
                         metavar="N",
                         help="finished Responses API responses kept in memory for GET and "
                              "previous_response_id; the oldest is evicted (0: none; default: 1000)")
+    parser.add_argument("--responses-store-bytes", type=byte_count, default=DEFAULT_STORE_BYTES,
+                        metavar="N",
+                        help="bytes (of their JSON) the stored Responses API responses may hold "
+                             "together; the oldest are evicted (default: 128M)")
     parser.add_argument("--responses-store-ttl", type=positive_seconds, default=3600.0,
                         metavar="SECONDS",
                         help="how long a stored Responses API response is kept (default: 3600)")
@@ -119,6 +129,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a streaming response silent this long (queued or prefilling) gets "
                              "an SSE comment ': keepalive' (Anthropic's route: a ping event); "
                              "0: none (default: 10)")
+    parser.add_argument("--stream-write-timeout", type=_seconds_or_zero, default=30.0, metavar="S",
+                        help="close a connection whose client has taken none of a response's bytes "
+                             "for S seconds (it stopped reading): its request is cancelled and its "
+                             "slot freed; 0: wait forever (default: 30)")
+    parser.add_argument("--idle-timeout", type=positive_seconds, default=30.0, metavar="S",
+                        help="close a connection without a request in progress (between requests, "
+                             "or still sending its headers) after S seconds (default: 30)")
+    parser.add_argument("--max-connections", type=_int_at_least(1), default=1024, metavar="N",
+                        help="open connections at most (lowered to fit the open-file limit, which "
+                             "afm raises at start); at the cap a new connection closes the longest "
+                             "idle one (default: 1024)")
     parser.add_argument("--no-ui", action="store_true",
                         help="do not serve the chat page at / (then 404)")
     parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=0.0, metavar="S",
@@ -298,9 +319,13 @@ async def _main(args: argparse.Namespace) -> None:
         embedding_path = await trio.to_thread.run_sync(resolve_model, args.embedding_model)
         _say(f"loading the embedding model {embedding_path}")
     server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                          allowed_hosts=tuple(args.allowed_host),
                           max_body_bytes=args.max_body_bytes,
                           responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
+                          responses_store_bytes=args.responses_store_bytes,
+                          stream_write_timeout=args.stream_write_timeout,
+                          idle_timeout=args.idle_timeout, max_connections=args.max_connections,
                           keepalive_seconds=args.keepalive_seconds,
                           drain_timeout=args.drain_timeout, ui=not args.no_ui)
     stop = trio.Event()
@@ -386,6 +411,9 @@ def run(args: argparse.Namespace) -> int:
     if (status := _distributed.follow(args)) is not None:
         return status  # a rank other than 0 of --distributed: it followed rank 0's steps
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ._connections import raise_open_file_limit
+
+    raise_open_file_limit()  # idle connections must never run the process out of descriptors
     status = 0
     try:
         trio.run(_main, args)

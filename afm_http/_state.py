@@ -22,7 +22,12 @@ from quart import current_app
 
 from afm_core import Engine
 from afm_core.api.responses import ResponseWriter
-from afm_core.api.responses_store import DEFAULT_MAX_AGE, DEFAULT_MAX_RESPONSES, ResponseStore
+from afm_core.api.responses_store import (
+    DEFAULT_MAX_AGE,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_RESPONSES,
+    ResponseStore,
+)
 
 from ._body import MAX_DEPTH
 from ._drain import Drain
@@ -58,6 +63,20 @@ class ServerConfig:
     them at once (the behaviour without a drain).  See :mod:`afm_http._drain`."""
     ui: bool = True
     """Serve the chat page at ``GET /`` (``afm serve --no-ui``: off, ``/`` is then 404)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names a request's ``Host`` header may name besides IP addresses, ``localhost``
+    and the bound address, when no API key is set (``*``: any; :mod:`afm_http._browser`)."""
+    responses_store_bytes: int = DEFAULT_MAX_BYTES
+    """Bytes (of their JSON) the stored Responses may hold together; the oldest is evicted past it."""
+    stream_write_timeout: float = 30.0
+    """A response write the client has not taken for this many seconds (it stopped
+    reading) closes the connection, which cancels its request and frees its slot."""
+    idle_timeout: float = 30.0
+    """Seconds a connection may stay open without a request in progress (between
+    requests, or while a request's headers trickle in)."""
+    max_connections: int = 1024
+    """Open connections at most; at the cap a new one closes the longest-idle one,
+    and with none idle is served one request and closed (``/health`` still answers)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +110,9 @@ class AppState:
     """Finished ``store: true`` Responses (bounded by the config's size and TTL)."""
     responses_live: dict[str, LiveResponse] = field(default_factory=dict)
     """Responses API responses in progress, by response id."""
+    listen_hosts: frozenset[str] = frozenset()
+    """The address(es) the server was bound to (``serve_engine``'s ``host``), for the
+    ``Host`` check of :mod:`afm_http._browser`."""
 
     def engine_for(self, choice: ModelChoice | None = None) -> AbstractAsyncContextManager[Engine]:
         """``async with``: the engine of the model a request chose (loaded if it was
@@ -107,7 +129,8 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size,
-                                       self.config.responses_store_ttl)
+                                       self.config.responses_store_ttl,
+                                       max_bytes=self.config.responses_store_bytes)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel ``request_id`` on whichever model's engine has it."""
