@@ -538,12 +538,11 @@ class Engine:
         tokenizer, info = self._tokenizer, self._info()
 
         def run() -> list[int]:
-            from .prepare import completion_prompt, render_prompt
+            from .prepare import chat_prompt, completion_prompt
 
             if isinstance(req, CompletionRequest):
                 return completion_prompt(req, tokenizer, info)
-            return list(tokenizer.encode(render_prompt(req, tokenizer, info),
-                                         add_special_tokens=False))
+            return chat_prompt(req, tokenizer, info)[0]
 
         return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
 

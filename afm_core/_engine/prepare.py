@@ -1,7 +1,8 @@
 """Turn a validated request into a generation job (runs in a Trio worker thread).
 
-Chat templating, tokenization, context-length checks and the construction of
-the stream's pipeline stages happen here, off the generation thread.  A
+Chat templating and tokenization (:mod:`.prompt`: the client's text never
+becomes a control token), context-length checks and the construction of the
+stream's pipeline stages happen here, off the generation thread.  A
 :class:`CompletionRequest` skips the template: its raw prompt (text, or token
 ids checked against the vocabulary; with a ``suffix``, the model's
 fill-in-the-middle layout) is generated from directly, through the
@@ -23,63 +24,14 @@ from .commands import Job, JobKey
 from .config import EngineConfig
 from .grammar import ThinkMode
 from .profile import ProfileRecorder
+from .prompt import chat_prompt, render_prompt
+
+__all__ = ["build_job", "chat_prompt", "completion_prompt", "render_prompt"]
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from .._stream.detok import DecoderTables
-
-
-def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
-    """The chat template's text for ``request``.
-
-    A model without a chat template (a base model) refuses chat with a 400
-    that points at ``/v1/completions``.  A template that does not read
-    ``tools`` gets them from afm instead (:mod:`afm_core._models.templates`),
-    never dropped.
-    """
-    if not info.chat_template:
-        raise UnsupportedError(
-            f"model {info.id!r} has no chat template (a base model): send a raw prompt to "
-            "/v1/completions instead, or use an instruct model", param="messages")
-    use_tools = bool(request.tools) and request.tool_choice != "none"
-    kwargs: dict[str, Any] = dict(request.chat_template_kwargs)
-    if request.enable_thinking is not None:
-        kwargs["enable_thinking"] = request.enable_thinking
-    if request.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-    messages = [dict(m) for m in request.messages]
-    tools = list(request.tools) if use_tools and request.tools else None
-    attempts = [(messages, tools)]
-    if not info.template_tools and (tools or _has_tool_turns(messages)):
-        attempts = [(_polyfill(request, messages, tools, system_role), None)
-                    for system_role in (True, False)]
-    for i, (msgs, tmpl_tools) in enumerate(attempts):
-        try:
-            text = tokenizer.apply_chat_template(
-                msgs, tools=tmpl_tools, add_generation_prompt=True, tokenize=False, **kwargs)
-            break
-        except Exception as exc:  # noqa: BLE001 - template errors are the request's
-            if i + 1 < len(attempts):
-                continue  # e.g. a template that refuses a system message
-            raise RequestError(f"the chat template could not render these messages: {exc}",
-                               param="messages") from None
-    if not isinstance(text, str):
-        raise RequestError("the chat template did not produce text", param="messages")
-    return text
-
-
-def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
-    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-
-
-def _polyfill(request: ChatRequest, messages: list[dict[str, Any]], tools: list[Any] | None,
-              system_role: bool) -> list[dict[str, Any]]:
-    from .._models.templates import polyfill_tool_messages
-
-    return polyfill_tool_messages(messages, tools, tool_choice=request.tool_choice,
-                                  parallel_tool_calls=request.parallel_tool_calls,
-                                  system_role=system_role)
 
 
 def think_mode(prompt_text: str, request: ChatRequest, info: ModelInfo) -> ThinkMode:
@@ -130,6 +82,7 @@ def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelI
     Enforced: a strict ``json_schema``; ``tool_choice`` ``required`` / named;
     ``auto`` with strict tools (free text or calls).  Tool grammars need the
     Hermes format with ``<tool_call>`` tokens; elsewhere they run best-effort.
+    A grammar that cannot be enforced is the client's 400 (``GrammarError``).
     """
     tools = request.tools or ()
     choice = request.tool_choice
@@ -163,8 +116,9 @@ def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelI
         think_tags=think_tags,
         think_tokens=all(g.is_tag_token(tokenizer, t) for t in think_tags),
     )
-    grammar, failed = g.grammar_processor(g.output_grammar(shape), tokenizer, prompt_len)
-    return grammar, downgraded or failed
+    param = "response_format" if isinstance(content, dict) else "tools"
+    g.check_shape(shape, tokenizer, param=param)
+    return g.grammar_processor(g.output_grammar(shape), tokenizer, prompt_len, param=param), downgraded
 
 
 def _budget(prompt: list[int], requested: int | None, info: ModelInfo, config: EngineConfig,
@@ -208,8 +162,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
                    profile=recorder, stop_at_eos=not request.ignore_eos,
                    prompt_top_logprobs=request.prompt_logprobs, progress=progress, adapter=adapter), False
-    text = render_prompt(request, tokenizer, info)
-    prompt = list(tokenizer.encode(text, add_special_tokens=False))
+    prompt, text = chat_prompt(request, tokenizer, info)
     if not prompt:
         raise RequestError("the rendered prompt is empty", param="messages")
     max_tokens = _budget(prompt, request.max_tokens, info, config, "messages")
