@@ -7,8 +7,23 @@ followed by calls) and rendered as an llguidance Lark grammar by
 mlx-lm logits processor that, before each sampling step, advances an
 ``LLMatcher`` by the tokens generated so far and masks every token the
 grammar forbids.  mlx-lm applies processors row by row inside the batched
-step, so constrained and free streams share one batch.  A grammar llguidance
-cannot compile runs best-effort: ``(None, True)`` ("downgraded").
+step, so constrained and free streams share one batch.
+
+A grammar is the client's: one llguidance cannot compile, or that exceeds
+its resource limits (Earley items per row and per step, lexer fuel and
+states, grammar size), is the client's 400 (:class:`GrammarError`, a short
+message, never the grammar's text), decided before generation so that the
+answer does not depend on what the model samples: :func:`grammar_processor`
+compiles the grammar (one beyond :data:`MAX_GRAMMAR_CHARS` is refused
+outright) and, on a copy of the matcher, computes the first mask
+and follows the bytes the grammar forces (``{"`` of a JSON object, the
+``<tool_call>`` of a forced call) while it forces any, computing each mask
+on the way (:func:`_probe`); :func:`check_shape` does the same for the
+answer's JSON document and its calls alone, without the optional reasoning
+block or free text that could otherwise put them off.  A limit hit later
+during generation (a deeper nesting than the probe reached) ends that
+stream with a :class:`GrammarFailure` (``invalid_request_error``,
+``grammar_too_complex``) instead of a server error.
 
 What gets enforced (see ``_prepare.build_job``):
 
@@ -37,6 +52,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from .._errors import RequestError
 from .._mlx.tokenizer import hf_tokenizer
 
 log = logging.getLogger("afm.grammar")
@@ -53,6 +69,43 @@ ThinkMode = Literal["off", "optional", "started"]
 
 # the model's own JSON layout, and no runs of free whitespace to wander into
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+PROBE_ROUNDS = 16
+"""Forced steps :func:`_probe` follows at most."""
+
+MAX_GRAMMAR_CHARS = 256 << 10
+"""A grammar (its Lark text: the schema's JSON, the tools' schemas) beyond this
+is a 400 ``grammar_too_large``: compiling one costs time in proportion (a
+780 KB regex took 2 s), and strict schemas are small (OpenAI caps theirs
+around 120,000 characters of names and values)."""
+
+ERROR_CHARS = 300
+"""A grammar error's message is cut to this many characters."""
+
+
+class GrammarError(RequestError):
+    """A grammar the engine cannot enforce (invalid, or beyond llguidance's limits): a 400."""
+
+    code = "invalid_grammar"
+
+
+class GrammarFailure(RuntimeError):
+    """The grammar could not go on during generation (a resource limit reached
+    at a state the probe did not reach); the stream ends with this message."""
+
+
+def short_error(message: str) -> str:
+    """llguidance's error as one short line: no parser state, no grammar text."""
+    first = message.strip().split("\n", 1)[0]
+    for cut in ("<state>", "<grammar>"):
+        first = first.split(cut, 1)[0]
+    return first[:ERROR_CHARS].rstrip() or "invalid grammar"
+
+
+def _limits() -> Any:
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +147,15 @@ def output_grammar(shape: OutputShape) -> str:
         rules.append(f"content: %json {json.dumps(schema)}")
     if shape.calls:
         open_, close = shape.call_tags
-        call_schema: dict[str, Any] = (dict(shape.calls[0]) if len(shape.calls) == 1
-                                       else {"anyOf": list(shape.calls)})
+        defs: dict[str, Any] = {}
+        calls = []
+        for call in shape.calls:  # their $defs (rebased parameters) go to the root
+            call = dict(call)
+            defs.update(call.pop("$defs", None) or {})
+            calls.append(call)
+        call_schema: dict[str, Any] = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+        if defs:
+            call_schema["$defs"] = defs
         call_schema["x-guidance"] = _LAYOUT
         rules.append('calls: call ("\\n" call)*' if shape.parallel else "calls: call")
         rules.append(f'call: {open_} "\\n" call_json "\\n" {close}')
@@ -135,17 +195,43 @@ def call_schemas(tools: Any, choice: Any, *, strict_only: bool) -> tuple[dict[st
         wanted = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == wanted]
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         fn = t["function"]
         enforce = fn.get("strict") or not strict_only
         params = (fn.get("parameters") or {"type": "object"}) if enforce else {"type": "object"}
-        out.append({
+        call: dict[str, Any] = {
             "type": "object",
             "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
-        })
+        }
+        if _has_local_ref(params):
+            # its "#..." references point into the parameters: moved under the call
+            # grammar's root as $defs/tool<i>, they are rebased there
+            base = f"/$defs/tool{i}"
+            call["properties"]["arguments"] = {"$ref": f"#{base}"}
+            call["$defs"] = {f"tool{i}": _rebase(params, base)}
+        out.append(call)
     return tuple(out)
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_has_local_ref(v) for v in schema)
+    return False
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#``, ``#/$defs/x``) prefixed by ``base``."""
+    if isinstance(schema, dict):
+        return {k: ("#" + base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase(v, base) for v in schema]
+    return schema
 
 
 def is_tag_token(tokenizer: Any, tag: str) -> bool:
@@ -178,24 +264,67 @@ def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, T], hf: Any, build: Cal
         return value
 
 
-def grammar_processor(lark: str, tokenizer: Any, prompt_len: int) -> tuple[GrammarProcessor | None, bool]:
-    """``(processor, downgraded)``: a logits processor enforcing ``lark``, or
-    ``(None, True)`` when llguidance cannot compile it (best-effort)."""
+def grammar_processor(lark: str, tokenizer: Any, prompt_len: int, *,
+                      param: str | None = None) -> GrammarProcessor:
+    """A logits processor enforcing ``lark``; :class:`GrammarError` (with
+    ``param``) when llguidance cannot compile it or its probe (see the module
+    docstring) hits a limit."""
+    return GrammarProcessor(_matcher(lark, tokenizer, param), prompt_len)
+
+
+def check_shape(shape: OutputShape, tokenizer: Any, *, param: str | None = None) -> None:
+    """:class:`GrammarError` unless the JSON document and the calls ``shape``
+    allows can each be enforced from their start (probed alone: without a
+    reasoning block or free text in front, which could defer a failure)."""
+    from dataclasses import replace
+
+    parts = []
+    if isinstance(shape.content, dict):
+        parts.append(replace(shape, content=shape.content, calls=(), think="off"))
+    if shape.calls:
+        parts.append(replace(shape, content=None, think="off"))
+    for part in parts:
+        if part != shape:  # (the shape itself is probed when its processor is built)
+            _matcher(output_grammar(part), tokenizer, param)
+
+
+def _matcher(lark: str, tokenizer: Any, param: str | None) -> Any:
     import llguidance
 
+    if len(lark) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"the schema is too large to enforce: its grammar has {len(lark)} characters, "
+                           f"more than {MAX_GRAMMAR_CHARS}", param=param, code="grammar_too_large")
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         ll = _ll_tokenizer(tokenizer)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
-        if is_error:
-            raise ValueError(messages[0] if messages else "invalid grammar")
-        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
-            raise ValueError(matcher.get_error())
-    except Exception as exc:  # noqa: BLE001 - any compile failure downgrades
-        log.warning("constrained output runs best-effort: %s", exc)
-        return None, True
-    return GrammarProcessor(matcher, prompt_len), False
+            raise GrammarError(f"the output grammar is invalid: {short_error(matcher.get_error())}",
+                               param=param)
+        _probe(matcher.deep_copy(), ll.vocab_size, param)
+    except GrammarError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler raises is the grammar's fault
+        raise GrammarError(f"the output grammar is invalid: {short_error(str(exc))}", param=param) from None
+    return matcher
+
+
+def _probe(matcher: Any, vocab: int, param: str | None) -> None:
+    """Compute masks along the bytes the grammar forces from its start (a copy
+    of the matcher: the real one starts fresh); :class:`GrammarError` on a limit."""
+    import llguidance.numpy as llnp
+
+    mask = llnp.allocate_token_bitmask(1, vocab)
+    for _ in range(PROBE_ROUNDS):
+        llnp.fill_next_token_bitmask(matcher, mask)
+        forced = [] if matcher.is_error() or matcher.is_stopped() else matcher.compute_ff_tokens()
+        if forced and not matcher.consume_tokens(forced):
+            break
+        if matcher.is_error() or not forced:
+            break
+    if matcher.is_error():
+        raise GrammarError("the output grammar is too complex to enforce: "
+                           f"{short_error(matcher.get_error())}", param=param, code="grammar_too_complex")
 
 
 class GrammarProcessor:
@@ -228,7 +357,8 @@ class GrammarProcessor:
                     self._unfed += len(new) - i
                     break
                 if not m.consume_token(int(t)):
-                    raise RuntimeError(f"grammar rejected the output: {m.get_error()}")
+                    raise GrammarFailure("the output grammar could not go on: "
+                                         f"{short_error(m.get_error())}")
 
     def valid_prefix(self, tokens: Any, guess: list[int]) -> int:
         """How many tokens of ``guess`` the grammar allows after ``tokens``
@@ -246,7 +376,8 @@ class GrammarProcessor:
         unfed = min(n, self._unfed)
         self._unfed -= unfed
         if n > unfed and not self.matcher.rollback(n - unfed):
-            raise RuntimeError(f"grammar could not roll back {n - unfed} tokens: {self.matcher.get_error()}")
+            raise GrammarFailure(f"the output grammar could not roll back {n - unfed} tokens: "
+                                 f"{short_error(self.matcher.get_error())}")
         self.consumed -= n
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
@@ -258,6 +389,8 @@ class GrammarProcessor:
         if self._mask is None:
             self._mask = llnp.allocate_token_bitmask(1, vocab)
         llnp.fill_next_token_bitmask(self.matcher, self._mask)
+        if self.matcher.is_error():
+            raise GrammarFailure(f"the output grammar could not go on: {short_error(self.matcher.get_error())}")
         bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
         allowed = np.zeros(vocab, dtype=bool)
         n = min(vocab, bits.size)

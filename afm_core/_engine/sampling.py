@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from .._stream.events import StreamFailure
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
 
@@ -152,6 +153,16 @@ class GuardedProcessor:
             undo(n)
         except Exception as exc:  # noqa: BLE001 - isolated per request
             self.error = exc
+
+
+def guard_failure(exc: BaseException) -> StreamFailure:
+    """The event ending a stream whose processor failed: a grammar that could
+    not go on is the client's (``invalid_request_error``), anything else ours."""
+    from .grammar import GrammarFailure
+
+    if isinstance(exc, GrammarFailure):
+        return StreamFailure(str(exc), type="invalid_request_error", code="grammar_too_complex")
+    return StreamFailure(f"generation failed: {exc}")
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> tuple[list[int], list[float]]:

@@ -727,7 +727,9 @@ class Worker:
             failed = next((g.error for g in job.guards if g.error is not None), None)
             if failed is not None:
                 self._remove(job)
-                events.append(StreamFailure(f"generation failed: {failed}"))
+                from .sampling import guard_failure  # (a grammar's failure is the client's)
+
+                events.append(guard_failure(failed))
                 outputs[job.key] = Delivery(tuple(events), True)
                 continue
             if job.scores is not None and job.scores.error is not None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import GenerationError
+from .._errors import GenerationError, RequestError
 from .._stream.events import (
     ContentDelta,
     Event,
@@ -257,6 +257,8 @@ class Writer:
         if self.streaming:
             raise ValueError("a streaming writer builds no result: make it with stream=False")
         if self.failure is not None:
+            if self.failure.type == "invalid_request_error":  # the request's fault (a grammar that could not go on)
+                raise RequestError(self.failure.message, param=self.failure.param, code=self.failure.code)
             raise GenerationError(self.failure.message or "stream error", code=self.failure.code)
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
                                "model": self.model}

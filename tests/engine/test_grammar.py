@@ -39,9 +39,7 @@ def tokenizer(random_model_dir: Path) -> Any:
 
 def accepts(tokenizer: Any, shape: OutputShape, text: str) -> bool:
     """Whether the grammar of ``shape`` takes ``text`` (its tokens) as a whole turn."""
-    proc, downgraded = grammar_processor(output_grammar(shape), tokenizer, 0)
-    assert not downgraded and proc is not None
-    m = proc.matcher
+    m = grammar_processor(output_grammar(shape), tokenizer, 0).matcher
     ids = tokenizer.encode(text, add_special_tokens=False)
     return all(m.consume_token(t) for t in ids) and m.is_accepting()
 
@@ -112,9 +110,13 @@ def test_shape_rejects_nonsense() -> None:
         OutputShape(content="markdown")
 
 
-def test_uncompilable_grammar_downgrades(tokenizer: Any) -> None:
-    proc, downgraded = grammar_processor("start: <no_such_token>\n", tokenizer, 0)
-    assert proc is None and downgraded
+def test_uncompilable_grammar_is_the_clients_error(tokenizer: Any) -> None:
+    from afm_core._engine.grammar import GrammarError
+
+    with pytest.raises(GrammarError) as info:
+        grammar_processor("start: <no_such_token>\n", tokenizer, 0, param="response_format")
+    assert info.value.status == 400 and info.value.param == "response_format"
+    assert "no_such_token" not in info.value.message or len(info.value.message) < 400
 
 
 # -- the engine --------------------------------------------------------------------
