@@ -9,7 +9,7 @@ above 0 (``serve_engine(..., drain_trigger=...)``) or on ``POST /admin/drain``
 
 * ``GET /health`` answers 503 with ``"status": "draining"`` (the balancer's
   health check takes the replica out of rotation);
-* new generation requests (:data:`GENERATION_PATHS`) get 503 in their API's
+* new work (:data:`GENERATION_PATHS`: generation, embeddings, tokenizing) gets 503 in its API's
   envelope with ``Retry-After`` (the hook in ``_routes/health.py``), which HAProxy retries on
   another replica (``retry-on 503``); cancel, ``GET`` and the other routes
   still work, so a client can still cancel a stream running here;
@@ -37,9 +37,12 @@ log = logging.getLogger("afm.http")
 GENERATION_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
     "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
+    "/tokenize", "/detokenize", "/v1/chat/completions/count_tokens", "/v1/messages/count_tokens",
+    "/v1/responses/input_tokens",
 })
-"""``POST`` routes that start engine work: refused while draining.  Everything
-else (cancel routes, ``count_tokens``, ``/tokenize``, ``GET``s) is still served."""
+"""``POST`` routes that start engine work (generating, embedding, templating or
+tokenizing): refused while draining.  Everything else (cancel routes,
+``GET``s) is still served."""
 
 RETRY_AFTER_SECONDS = 1
 """``Retry-After`` on a refusal: through a balancer the retry lands on another replica."""

@@ -56,6 +56,8 @@ _SIMPLE = (
     ("afm_prefix_cache_disk_dropped_writes_total", "counter",
      "Disk tier writes given up (superseded, backlog, or failed).", "prefix_cache_disk_dropped_writes"),
     ("afm_engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("afm_preparations_abandoned_total", "counter",
+     "Preparations (templating, tokenizing) stopped because their caller left.", "preparations_abandoned"),
     ("afm_shared_prefills_total", "counter",
      "Requests started from another request's prefill of the same prompt.", "shared_prefills"),
     ("afm_spec_steps_total", "counter",

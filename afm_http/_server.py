@@ -136,19 +136,19 @@ class _ReleasingTCPServer(TCPServer):
         with trio.CancelScope(shield=True):
             await self.protocol.handle(Closed())
 
-    async def _send_with_progress(self, data: bytes, timeout: float) -> bool:
-        """Send ``data``; False when ``timeout`` seconds passed with no byte taken
-        (a client reading slowly still gets everything, however long it takes)."""
+    async def _send_with_progress(self, data: bytes, seconds: float) -> bool:
+        """Send ``data``; False when ``seconds`` passed with no byte taken (a
+        client reading slowly still gets everything, however long it takes)."""
         stream = self.stream
         if type(stream) is not trio.SocketStream:
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(seconds):
                 await stream.send_all(data)
                 return True
             return False
         sock = stream.socket
         view = memoryview(data)
         while view:
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(seconds):
                 sent = await sock.send(view)
                 view = view[sent:]
                 continue

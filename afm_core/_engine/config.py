@@ -125,6 +125,12 @@ class EngineConfig:
     same time (a Trio ``CapacityLimiter``).  More let a burst of requests be
     prepared in parallel; each competes with the generation thread for the
     CPU and the GIL."""
+    prepare_timeout: float = 60.0
+    """Seconds one request's preparation (templating, tokenizing, compiling its
+    grammar) may take once it started; past them it stops and the request gets
+    503 ``prepare_timeout`` (:mod:`afm_core._engine.lanes`).  Work beyond 64 Ki
+    characters runs in a lane of its own (one thread), so small requests never
+    wait behind it; work whose caller left stops at its next piece."""
     profile_sample_interval: float = 0.1
     """Seconds between the samples (tokens, decode rate, batch width, active
     memory) of an ``extended`` profile (``profile="extended"``, the
@@ -217,6 +223,8 @@ class EngineConfig:
     :func:`~afm_core.run_follower`.  None: the whole model in this process."""
 
     def __post_init__(self) -> None:
+        if not self.prepare_timeout > 0:
+            raise ValueError("prepare_timeout must be > 0 seconds")
         if self.embedding_pooling not in ("mean", "last", "cls"):
             raise ValueError("embedding_pooling must be 'mean', 'last' or 'cls'")
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:

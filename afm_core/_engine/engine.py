@@ -28,11 +28,11 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -46,6 +46,7 @@ from .._errors import (
     RequestError,
     UnsupportedError,
 )
+from .._mlx.tokenizer import encode
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
 from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
@@ -67,6 +68,7 @@ from .commands import (
 )
 from .config import WARMUP_WIDTH, EngineConfig
 from .genthread import run_on_generation_thread
+from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
 from .worker import Worker, WorkerStats
 
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 TERMINAL = (Finish, StreamFailure)
+T = TypeVar("T")
 
 log = logging.getLogger("afm.engine")
 
@@ -149,6 +152,10 @@ class EngineStatistics:
     spec_accepted: int = 0
     """Proposed tokens the model agreed with, each emitted without a step of
     its own (acceptance rate: ``spec_accepted / spec_proposed``)."""
+    preparations_abandoned: int = 0
+    """Preparations (templating, tokenizing; ``tokenize`` and ``embed`` texts)
+    stopped before their end because their caller left (a client that hung
+    up): their thread went back to its lane at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +257,8 @@ class Engine:
         self._ttft_count = 0
         self._worker: Worker | None = None
         self._closed = True
-        self._limiter = trio.CapacityLimiter(self.config.template_threads)
+        self._prep = Preparation(self.config.template_threads, timeout=self.config.prepare_timeout)
+        self._side_calls = 0  # tokenize/detokenize calls running now (they count toward max_waiting)
         self.info: ModelInfo | None = None
         self._tokenizer: TokenizerWrapper | None = None
         self._detok_tables: DecoderTables | None = None
@@ -472,8 +480,7 @@ class Engine:
         request_id = request_id or f"req_{secrets.token_hex(12)}"
         if request_id in self._inflight:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        if len(self._inflight) + self._embedding_calls >= self.config.max_batch + self.config.max_waiting:
-            raise EngineBusyError(retry_after=1.0)
+        self._check_room()
         mailbox = Mailbox()
         self._serial += 1
         record = RequestRecord(request_id, JobKey(self._serial), mailbox, time.perf_counter())
@@ -483,10 +490,8 @@ class Engine:
             record.group = group
             self._groups.setdefault(group, set()).add(request_id)
         try:
-            job, downgraded = await trio.to_thread.run_sync(
-                self._prepare, request, record, profile, progress, limiter=self._limiter,
-                abandon_on_cancel=True,
-            )
+            job, downgraded = await self._prep.run(self._prepare, request, record, profile, progress,
+                                                   cost=request_cost(request))
             self._requests_total += 1
             if record.state is RequestState.CANCELLED:
                 record.state = RequestState.FINISHED
@@ -537,14 +542,14 @@ class Engine:
             raise EngineClosedError("the engine is not running")
         tokenizer, info = self._tokenizer, self._info()
 
-        def run() -> list[int]:
+        def run(ticket: Ticket) -> list[int]:
             from .prepare import chat_prompt, completion_prompt
 
             if isinstance(req, CompletionRequest):
-                return completion_prompt(req, tokenizer, info)
-            return chat_prompt(req, tokenizer, info)[0]
+                return completion_prompt(req, tokenizer, info, check=ticket.check)
+            return chat_prompt(req, tokenizer, info, check=ticket.check)[0]
 
-        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+        return await self._side_call(run, cost=request_cost(req))
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = False,
                        parse_special: bool = True) -> list[int]:
@@ -554,11 +559,11 @@ class Engine:
         text (a BOS, for some models)."""
         tokenizer = self._running_tokenizer()
 
-        def run() -> list[int]:
-            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                         split_special_tokens=not parse_special))
+        def run(ticket: Ticket) -> list[int]:
+            return encode(tokenizer, text, parse_special=parse_special,
+                          add_special_tokens=add_special_tokens, check=ticket.check)
 
-        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+        return await self._side_call(run, cost=len(text))
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids, special tokens spelled out; raises
@@ -566,11 +571,11 @@ class Engine:
         tokenizer = self._running_tokenizer()
         self._check_ids(ids)
 
-        def run() -> str:
+        def run(ticket: Ticket) -> str:
             return str(tokenizer.decode(list(ids), skip_special_tokens=False,
                                         clean_up_tokenization_spaces=False))
 
-        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+        return await self._side_call(run, cost=4 * len(ids))
 
     async def token_pieces(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (a special token's spelling); raises
@@ -598,10 +603,15 @@ class Engine:
             # a special token (the tables skip them)
             return str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8")
 
-        def run() -> list[bytes]:
-            return [piece(i) for i in ids]
+        def run(ticket: Ticket) -> list[bytes]:
+            out = []
+            for n, i in enumerate(ids):
+                if n % 4096 == 0:
+                    ticket.check()
+                out.append(piece(i))
+            return out
 
-        return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
+        return await self._side_call(run, cost=4 * len(ids))
 
     async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                     pooling: str | None = None) -> Embeddings:
@@ -634,8 +644,7 @@ class Engine:
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
         items = _embedding_items(inputs)
-        if len(self._inflight) + self._embedding_calls >= self.config.max_batch + self.config.max_waiting:
-            raise EngineBusyError(retry_after=1.0)
+        self._check_room()
         self._embedding_calls += 1
         try:
             result = await self._embed(worker, items, pooling)
@@ -652,12 +661,13 @@ class Engine:
         assert tokenizer is not None
         limit = min(info.vocab_size, len(tokenizer))
 
-        def tokenize() -> list[tuple[int, ...]]:
+        def tokenize(ticket: Ticket) -> list[tuple[int, ...]]:
             out = []
             for n, item in enumerate(items):
+                ticket.check()
                 param = "input" if len(items) == 1 else f"input[{n}]"
                 if isinstance(item, str):
-                    ids = tuple(tokenizer.encode(item))
+                    ids = tuple(encode(tokenizer, item, add_special_tokens=True, check=ticket.check))
                 else:
                     for i in item:
                         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < limit:
@@ -673,7 +683,7 @@ class Engine:
                 out.append(ids)
             return out
 
-        token_lists = await trio.to_thread.run_sync(tokenize, limiter=self._limiter, abandon_on_cancel=True)
+        token_lists = await self._prep.run(tokenize, cost=text_cost(items))
         vectors: list[list[float]] = []
         for chunk in _chunks(token_lists, self.config.prefill_step):
             result = await self._embed_on_thread(worker, chunk, pooling)
@@ -767,6 +777,7 @@ class Engine:
             prefix_cache_memory_misses=ws.prefix_cache_lookups - ws.prefix_cache_memory_hits,
             kv_bits=self.config.kv_bits,
             kv_group_size=self.config.kv_group_size if self.config.kv_bits is not None else None,
+            preparations_abandoned=self._prep.abandoned,
         )
 
     # -- internals -------------------------------------------------------------
@@ -817,17 +828,34 @@ class Engine:
                 record.state = RequestState.FINISHED
                 record.mailbox.close()  # the reader drains what is there, then sees the end
 
-    def _prepare(self, request: ChatRequest | CompletionRequest, record: RequestRecord,
+    def _prepare(self, ticket: Ticket, request: ChatRequest | CompletionRequest, record: RequestRecord,
                  profile: str | None, progress: bool = False) -> tuple[Job, bool]:
-        """Template, tokenize and build the job (runs in a worker thread)."""
+        """Template, tokenize and build the job (runs in a worker thread of :attr:`_prep`)."""
         from .prepare import build_job
 
         assert self._tokenizer is not None and self._detok_tables is not None
         return build_job(
             request, key=record.key, info=self._info(), tokenizer=self._tokenizer,
             tables=self._detok_tables, config=self.config, profile=profile, t_submit=record.t_submit,
-            progress=progress,
+            progress=progress, ticket=ticket,
         )
+
+    def _check_room(self) -> None:
+        """:class:`EngineBusyError` when ``max_batch + max_waiting`` requests (streams,
+        embedding and tokenizing calls together) are already open."""
+        busy = len(self._inflight) + self._embedding_calls + self._side_calls
+        if busy >= self.config.max_batch + self.config.max_waiting:
+            raise EngineBusyError(retry_after=1.0)
+
+    async def _side_call(self, fn: Callable[[Ticket], T], *, cost: int) -> T:
+        """``fn(ticket)`` in a preparation lane (:mod:`.lanes`), counted toward the
+        queue limits as a request is (:class:`EngineBusyError` when full)."""
+        self._check_room()
+        self._side_calls += 1
+        try:
+            return await self._prep.run(fn, cost=cost)
+        finally:
+            self._side_calls -= 1
 
 
 _WORKER_COUNTERS = tuple(
@@ -861,6 +889,14 @@ def _as_request(request: object) -> ChatRequest | CompletionRequest:
         return ChatRequest.from_openai(request)
     raise TypeError("request must be a ChatRequest or an OpenAI-style dict (or a CompletionRequest), "
                     f"not {type(request).__name__}")
+
+
+def request_cost(request: ChatRequest | CompletionRequest) -> int:
+    """What preparing ``request`` costs, in characters (:func:`.lanes.text_cost`):
+    its messages, tools and schema, or its raw prompt."""
+    if isinstance(request, CompletionRequest):
+        return text_cost(request.prompt) + text_cost(request.suffix or "")
+    return text_cost(request.messages) + text_cost(request.tools or ()) + text_cost(request.response_format or {})
 
 
 def _chunks(token_lists: list[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:

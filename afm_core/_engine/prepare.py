@@ -12,9 +12,11 @@ detokenizer and stop strings only (no reasoning, tool or structured stages).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AdapterNotFoundError, ContextLengthError, RequestError, UnsupportedError
+from .._mlx.tokenizer import encode
 from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
 from ..api.chat_request import ChatRequest
@@ -23,6 +25,7 @@ from . import grammar as g
 from .commands import Job, JobKey
 from .config import EngineConfig
 from .grammar import ThinkMode
+from .lanes import Ticket
 from .profile import ProfileRecorder
 from .prompt import chat_prompt, render_prompt
 
@@ -121,6 +124,22 @@ def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelI
     return g.grammar_processor(g.output_grammar(shape), tokenizer, prompt_len, param=param), downgraded
 
 
+def _within(info: ModelInfo, what: str, ticket: Ticket) -> Callable[[int], None]:
+    """The check a prompt's tokenization makes between pieces: the ticket's
+    (cancelled, deadline), and a :class:`ContextLengthError` as soon as the
+    tokens so far leave no room in the context (the rest is not tokenized)."""
+    ctx = info.context_length
+
+    def check(count: int) -> None:
+        ticket.check()
+        if count >= ctx:
+            raise ContextLengthError(
+                f"this model's maximum context length is {ctx} tokens, but the {what} use "
+                f"at least {count} tokens", param="messages" if what == "messages" else "prompt")
+
+    return check
+
+
 def _budget(prompt: list[int], requested: int | None, info: ModelInfo, config: EngineConfig,
             what: str) -> int:
     """The tokens ``prompt`` may generate: ``requested`` if the context has room."""
@@ -143,10 +162,14 @@ def _budget(prompt: list[int], requested: int | None, info: ModelInfo, config: E
 
 def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: ModelInfo,
               tokenizer: TokenizerWrapper, tables: DecoderTables, config: EngineConfig,
-              profile: str | None, t_submit: float, progress: bool = False) -> tuple[Job, bool]:
+              profile: str | None, t_submit: float, progress: bool = False,
+              ticket: Ticket | None = None) -> tuple[Job, bool]:
     """``(job, grammar_downgraded)`` for ``request``; raises RequestError subclasses.
-    ``progress``: the job sends prompt-progress events (``Engine.stream``)."""
+    ``progress``: the job sends prompt-progress events (``Engine.stream``);
+    ``ticket``: checked between the pieces of the work (:mod:`.lanes`)."""
     from .._stream.detok import IncrementalDetokenizer
+
+    ticket = ticket or Ticket()
 
     recorder = None
     if profile is not None:
@@ -154,7 +177,7 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
                                    sample_interval=config.profile_sample_interval)
     adapter = adapter_index(request, config, info)
     if isinstance(request, CompletionRequest):
-        prompt = completion_prompt(request, tokenizer, info)
+        prompt = completion_prompt(request, tokenizer, info, check=_within(info, "prompt", ticket))
         max_tokens = _budget(prompt, request.max_tokens, info, config, "prompt")
         # the output continues the prompt: no first-token treatment (a sentencepiece
         # decoder would strip the leading space of the first generated word)
@@ -162,11 +185,13 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
                    profile=recorder, stop_at_eos=not request.ignore_eos,
                    prompt_top_logprobs=request.prompt_logprobs, progress=progress, adapter=adapter), False
-    prompt, text = chat_prompt(request, tokenizer, info)
+    prompt, text = chat_prompt(request, tokenizer, info, check=_within(info, "messages", ticket))
+    ticket.check()
     if not prompt:
         raise RequestError("the rendered prompt is empty", param="messages")
     max_tokens = _budget(prompt, request.max_tokens, info, config, "messages")
     mode = think_mode(text, request, info)
+    ticket.check()
     grammar, downgraded = _constraints(request, tokenizer, info, config, len(prompt), mode)
     pipeline = StreamPipeline(
         IncrementalDetokenizer(tables),
@@ -245,12 +270,14 @@ def continuation_tables(tables: DecoderTables) -> DecoderTables:
     return dataclasses.replace(tables, first_texts={}, strip_count=0)
 
 
-def completion_prompt(request: CompletionRequest, tokenizer: Any, info: ModelInfo) -> list[int]:
-    """The token ids a completion generates from; raises RequestError."""
+def completion_prompt(request: CompletionRequest, tokenizer: Any, info: ModelInfo,
+                      check: Callable[[int], None] | None = None) -> list[int]:
+    """The token ids a completion generates from; raises RequestError.  ``check``
+    runs between the pieces of a long text's tokenization (:func:`encode`)."""
     raw = request.prompt
     limit = min(info.vocab_size, len(tokenizer))
     if isinstance(raw, str):
-        ids = list(tokenizer.encode(raw, add_special_tokens=request.add_special_tokens))
+        ids = encode(tokenizer, raw, add_special_tokens=request.add_special_tokens, check=check)
     else:
         ids = list(raw)
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < limit), None)
@@ -264,7 +291,7 @@ def completion_prompt(request: CompletionRequest, tokenizer: Any, info: ModelInf
                                    f"{info.id} has none", param="suffix")
         pre, suf, mid = fim
         if isinstance(raw, str):
-            ids = list(tokenizer.encode(raw, add_special_tokens=False))
+            ids = encode(tokenizer, raw, check=check)
         lead: list[int] = []
         bos = getattr(tokenizer, "bos_token_id", None)
         if request.add_special_tokens and bos is not None \

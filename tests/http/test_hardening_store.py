@@ -14,7 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from afm_core.api.responses_store import DEFAULT_MAX_BYTES, ResponseStore, StoredResponse, stored_size
+from afm_core.api.responses_store import (
+    DEFAULT_MAX_BYTES,
+    ResponseStore,
+    StoredResponse,
+    stored_size,
+)
 from afm_http import ServerConfig
 from afm_http.testing import running_server
 
