@@ -125,6 +125,12 @@ class EngineConfig:
     same time (a Trio ``CapacityLimiter``).  More let a burst of requests be
     prepared in parallel; each competes with the generation thread for the
     CPU and the GIL."""
+    embedding_step: int = 512
+    """Tokens of embedding work (:meth:`Engine.embed`) the generation thread
+    computes after each decode step, at most: running streams wait that long
+    between two tokens while embeddings are computed (a long input runs in
+    slices through a KV cache; short ones together).  Smaller keeps streams
+    smoother, larger embeds faster when nothing else runs."""
     prepare_timeout: float = 60.0
     """Seconds one request's preparation (templating, tokenizing, compiling its
     grammar) may take once it started; past them it stops and the request gets
@@ -223,6 +229,8 @@ class EngineConfig:
     :func:`~afm_core.run_follower`.  None: the whole model in this process."""
 
     def __post_init__(self) -> None:
+        if self.embedding_step < 1:
+            raise ValueError("embedding_step must be >= 1 token")
         if not self.prepare_timeout > 0:
             raise ValueError("prepare_timeout must be > 0 seconds")
         if self.embedding_pooling not in ("mean", "last", "cls"):

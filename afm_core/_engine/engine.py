@@ -370,6 +370,7 @@ class Engine:
                     kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size,
                     prompt_lookup=self.config.prompt_lookup, draft=draft,
                     draft_tokens=self.config.draft_tokens, spec_max_batch=self.config.spec_max_batch,
+                    embedding_step=self.config.embedding_step,
                 )
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
@@ -623,9 +624,9 @@ class Engine:
         ``inputs`` is a text, a list of token ids, or a list of texts and
         token-id lists.  Texts are tokenized as the tokenizer does by default
         (with what it adds around a text, such as a BOS).  The work runs on
-        the generation thread between two decode steps, so running streams
-        pause for it; inputs are sent in parts of about ``prefill_step``
-        tokens, with decode steps between the parts.  Raises :class:`RequestError` for an empty input or an
+        the generation thread, at most ``embedding_step`` tokens after each
+        decode step (a long input in slices through a KV cache), so running
+        streams pause at most that long between two tokens.  Raises :class:`RequestError` for an empty input or an
         id outside the vocabulary, :class:`ContextLengthError` for an input
         longer than the context, :class:`UnsupportedError` for a model without
         a transformer body (the echo test model), :class:`EngineBusyError` when
@@ -684,16 +685,13 @@ class Engine:
             return out
 
         token_lists = await self._prep.run(tokenize, cost=text_cost(items))
-        vectors: list[list[float]] = []
-        for chunk in _chunks(token_lists, self.config.prefill_step):
-            result = await self._embed_on_thread(worker, chunk, pooling)
-            if isinstance(result, NoHiddenStates):
-                raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
-            if isinstance(result, BaseException):
-                raise GenerationError(f"computing the embeddings failed: {result}",
-                                      code="embedding_failed") from result
-            vectors.extend(result)
-        return Embeddings(vectors, tuple(len(t) for t in token_lists), pooling)
+        result = await self._embed_on_thread(worker, token_lists, pooling)
+        if isinstance(result, NoHiddenStates):
+            raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
+        if isinstance(result, BaseException):
+            raise GenerationError(f"computing the embeddings failed: {result}",
+                                  code="embedding_failed") from result
+        return Embeddings(result, tuple(len(t) for t in token_lists), pooling)
 
     async def _embed_on_thread(self, worker: Worker, token_lists: list[tuple[int, ...]],
                                pooling: str) -> list[list[float]] | BaseException:
@@ -897,20 +895,6 @@ def request_cost(request: ChatRequest | CompletionRequest) -> int:
     if isinstance(request, CompletionRequest):
         return text_cost(request.prompt) + text_cost(request.suffix or "")
     return text_cost(request.messages) + text_cost(request.tools or ()) + text_cost(request.response_format or {})
-
-
-def _chunks(token_lists: list[tuple[int, ...]], budget: int) -> list[list[tuple[int, ...]]]:
-    """``token_lists`` in order, cut into runs of at most ``budget`` tokens
-    (an input longer than that runs alone)."""
-    chunks: list[list[tuple[int, ...]]] = []
-    size = 0
-    for ids in token_lists:
-        if not chunks or size + len(ids) > budget:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(ids)
-        size += len(ids)
-    return chunks
 
 
 def _embedding_items(inputs: object) -> list[str | list[int]]:

@@ -193,8 +193,10 @@ class Worker:
         draft: nn.Module | None = None,
         draft_tokens: int = 0,
         spec_max_batch: int = 0,
+        embedding_step: int = 512,
     ):
         self.model = model
+        self.embedding_step = embedding_step
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.post = post
@@ -293,6 +295,9 @@ class Worker:
                                         wake=self._wake,
                                         adapters=self.adapters.fingerprints if self.adapters is not None else ())
         self.samplers: SamplerCache = SamplerCache()
+        from .embed_steps import EmbeddingSteps
+
+        self.embeddings = EmbeddingSteps(self.model, mx, self.stream, self.embedding_step)
         self.eos = set(eos)
         if self.adapters is not None:
             self.adapters.of.clear()  # (a generator made again after a failed step)
@@ -359,7 +364,8 @@ class Worker:
     def loop(self) -> None:
         """The generation loop; returns after a ``stop`` command."""
         while True:
-            busy = len(self.by_key) > len(self.loading)  # (a job waiting for a disk read needs no step)
+            busy = len(self.by_key) > len(self.loading) or bool(self.embeddings)
+            # (a job waiting for a disk read needs no step)
             try:
                 cmd = self.commands.get(block=not busy)
             except queue.Empty:
@@ -383,6 +389,8 @@ class Worker:
             if len(self.by_key) > len(self.loading):
                 self._step(outputs)
                 self._readmit(outputs)
+            if self.embeddings:
+                self.embeddings.step()  # one slice between two decode steps
             self._update_stats()
             if self.early:
                 self._flush_early(outputs)
@@ -427,17 +435,10 @@ class Worker:
                 raise AssertionError("Stop reaches _command")
 
     def _embed(self, cmd: Embed) -> None:
-        from .._mlx.embeddings import embed
-
-        if cmd.abandoned.is_set():
-            return
-        result: list[list[float]] | BaseException
-        try:
-            with self.mx.stream(self.stream):
-                result = embed(self.model, cmd.token_lists, cmd.pooling)
-        except Exception as exc:  # noqa: BLE001 - the caller's error, not the thread's
-            result = exc
-        cmd.done(result)
+        """Keep ``cmd``: :class:`.embed_steps.EmbeddingSteps` computes it a slice
+        at a time after each decode step (``loop``)."""
+        if not cmd.abandoned.is_set():
+            self.embeddings.add(cmd)
 
     def _admit(self, job: Job, outputs: Outputs) -> None:
         """Insert ``job`` into mlx-lm's batch, or park it on the job prefilling
