@@ -205,6 +205,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "different adapters decode in one batch")
     engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
+    engine.add_argument("--embedding-step", type=_int_at_least(1), default=512, metavar="N",
+                        help="tokens of /v1/embeddings work computed between two decode steps, at most "
+                             "(a long input in slices): running streams pause at most that long "
+                             "(default: 512)")
+    engine.add_argument("--prepare-timeout", type=positive_seconds, default=60.0, metavar="S",
+                        help="a request whose templating, tokenizing and grammar take longer than S "
+                             "seconds gets 503 prepare_timeout (default: 60)")
     engine.add_argument("--embedding-model", default=None, metavar="M",
                         help="answer /v1/embeddings with this model (an mlx-lm directory, a .gguf "
                              "or a hub id, e.g. a Qwen3-Embedding conversion with "
@@ -288,6 +295,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         warmup=not args.no_warmup,
                         cpu_fusion=not args.no_cpu_fusion,
                         embedding_pooling=args.embedding_pooling,
+                        embedding_step=args.embedding_step, prepare_timeout=args.prepare_timeout,
                         prompt_lookup=args.prompt_lookup, draft_model=args.draft_model,
                         draft_tokens=args.draft_tokens, spec_max_batch=args.spec_max_batch,
                         distributed=_distributed.config_from(args))
@@ -382,7 +390,8 @@ async def _embedding_engine(path: Path | None, args: argparse.Namespace) -> Asyn
     async with open_engine(path, max_batch=args.max_batch, max_waiting=args.max_waiting,
                            prefill_step=args.prefill_step, prefix_cache_bytes=0, grammar=False,
                            warmup=False, cpu_fusion=not args.no_cpu_fusion,
-                           embedding_pooling=args.embedding_pooling) as engine:
+                           embedding_pooling=args.embedding_pooling, embedding_step=args.embedding_step,
+                           prepare_timeout=args.prepare_timeout) as engine:
         yield engine
 
 

@@ -53,6 +53,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -231,10 +232,11 @@ class DiskPromptCache:
             if not name.startswith(_PREFIX):
                 continue
             if name.endswith(".tmp"):
-                _remove_stale_temp(path)
+                if _regular(path):
+                    _remove_stale_temp(path)
                 continue
-            if not name.endswith(_SUFFIX):
-                continue
+            if not name.endswith(_SUFFIX) or not _regular(path):
+                continue  # (a FIFO would block the open forever; a link could point anywhere)
             try:
                 head = read_header(path)
                 mtime = path.stat().st_mtime_ns
@@ -468,6 +470,8 @@ class DiskPromptCache:
             result: Any = None
             try:
                 if kind == "read":
+                    if not _regular(self.dir / work.name):
+                        raise CorruptEntry("not a regular file")
                     result = read_entry(self.dir / work.name)
                     with contextlib.suppress(OSError):
                         os.utime(self.dir / work.name)  # its last use, for the order after a restart
@@ -487,6 +491,15 @@ class DiskPromptCache:
                 io.idle.notify_all()
             if kind != "chore":
                 self.wake()
+
+
+def _regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (not a link, FIFO, socket or device):
+    only those are opened."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _remove_stale_temp(path: Path) -> None:
