@@ -100,9 +100,11 @@ def _round(target: Target, texts: list[str], warm_tokens: int) -> dict[str, Any]
         usage.update(r.json()["usage"])
 
     thread = None
-    body = {"prompt": "Once upon a time", "max_tokens": 20000, "ignore_eos": True, "temperature": 0,
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.Client(timeout=3600) as c, c.stream("POST", target.url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"{target.label}: the stream got {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -112,7 +114,8 @@ def _round(target: Target, texts: list[str], warm_tokens: int) -> dict[str, Any]
                 thread.start()
             if "end" in window:
                 break
-    assert thread is not None
+    if thread is None:
+        raise SystemExit(f"{target.label}: the stream ended after {len(arrivals)} tokens")
     thread.join()
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     during = [b - a for a, b in itertools.pairwise(arrivals) if a >= window["start"] and b <= window["end"]]
