@@ -8,17 +8,21 @@ model.  Each request is, at random:
   moment: before the request is sent, right after its headers (often still
   queued: ``max_batch`` is small), or after a few chunks;
 * ~10% abandoned by the client mid-stream (the connection is dropped);
+* ~8% read slowly (a pause after each chunk, streamed ones): every byte
+  must still arrive, the write timeout must not cut a client that reads;
 * the rest run to the end, streaming or not;
 
 each through one of the wire APIs, at random: chat completions, completions,
 Anthropic messages, responses (``tests/soak/apis.py``).
 
 Every completed echo stream's text must equal the prompt exactly; a cancelled
-one must be a prefix of it.  At the end: engine running/waiting/active are
+one must be a prefix of it; a request that takes longer than ``--hang-seconds``
+is a hang (a failure).  Answers that are not 2xx are counted by API and status.  At the end: engine running/waiting/active are
 0, the engine and app in-flight registries are empty, and the Trio task and
 thread counts are back to their baseline.  RSS is reported at start, after each
 tenth of the requests, and at the end.
 
+    .venv/bin/python tests/soak/soak.py --requests 10000 --concurrency 48 --json out.json
     .venv/bin/python tests/soak/soak.py --requests 3000 --concurrency 48
     .venv/bin/python tests/soak/soak.py --model random --requests 1000
 
@@ -95,6 +99,10 @@ class Report:
     cancels_accepted: int = 0
     cancelled_before_first_token: int = 0
     abandons: int = 0
+    slow_readers: int = 0
+    hangs: int = 0
+    non_2xx: Counter[str] = field(default_factory=Counter)
+    """Answers that were not 2xx, by ``api:status`` (cancels by ``cancel:status``)."""
     exact: int = 0
     failures: list[str] = field(default_factory=list)
     duration_s: float = 0.0
@@ -112,13 +120,14 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["outcomes"] = dict(self.outcomes)
+        d["non_2xx"] = dict(self.non_2xx)
         d["failures"] = self.failures[:20]
         d["failure_count"] = len(self.failures)
         return d
 
     @property
     def ok(self) -> bool:
-        return (not self.failures and not self.leaked_tasks and not self.leaked_threads
+        return (not self.failures and not self.hangs and not self.leaked_tasks and not self.leaked_threads
                 and not self.engine_inflight and not self.app_inflight
                 and self.final_stats.get("running") == 0 and self.final_stats.get("requests_active") == 0
                 and self.final_stats.get("waiting") == 0)
@@ -126,7 +135,7 @@ class Report:
 
 async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, concurrency: int = 48,
                max_batch: int = 8, seed: int = 0, max_words: int = 120,
-               apis: tuple[str, ...] = APIS) -> Report:
+               apis: tuple[str, ...] = APIS, hang_seconds: float = 120.0) -> Report:
     rng = random.Random(seed)
     rep = Report(model=model, requests=requests, concurrency=concurrency)
     echo = model == "echo"
@@ -149,7 +158,8 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
         plan = []
         for i in range(requests):
             roll = rng.random()
-            kind = "cancel" if roll < 0.30 else "abandon" if roll < 0.40 else "complete"
+            kind = "cancel" if roll < 0.30 else "abandon" if roll < 0.40 else "slow" if roll < 0.48 \
+                else "complete"
             words = rng.randint(1, max_words)
             text = f"r{i} " + " ".join(rng.choice(WORDS) for _ in range(words))
             plan.append((i, kind, text, rng.random() < 0.75, rng.random(), rng.randint(1, 12),
@@ -179,6 +189,7 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                     accepted = True
                     rep.cancels_accepted += 1
                 elif r.status_code != 404:
+                    rep.non_2xx[f"cancel:{r.status_code}"] += 1
                     fail(f"{rid}: cancel answered {r.status_code}")
 
             if kind == "cancel" and moment < 0.1:
@@ -206,6 +217,7 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                 else:
                     r = await client.post(path, json=payload, headers=headers)
                 if r.status_code != 200:
+                    rep.non_2xx[f"{api}:{r.status_code}"] += 1
                     fail(f"{rid}: {api} status {r.status_code} {r.text[:200]}")
                     return
                 got, finish = read_body(api, r.json())
@@ -214,8 +226,11 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
             reader = StreamReader(api)
             async with client.stream("POST", path, json=payload, headers=headers) as r:
                 if r.status_code != 200:
+                    rep.non_2xx[f"{api}:{r.status_code}"] += 1
                     fail(f"{rid}: status {r.status_code}")
                     return
+                if kind == "slow":
+                    rep.slow_readers += 1
                 if kind == "cancel" and 0.1 <= moment < 0.4:
                     await cancel()  # right after the headers: often still queued
                 async for line in r.aiter_lines():
@@ -229,6 +244,8 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                         break
                     if kind == "cancel" and moment >= 0.4 and reader.chunks == after_chunks:
                         await cancel()
+                    if kind == "slow":
+                        await trio.sleep(0.002 * after_chunks)  # a client that reads, slowly
                     if kind == "abandon" and reader.chunks == after_chunks:
                         rep.abandons += 1
                         rep.outcomes["abandoned"] += 1
@@ -275,7 +292,11 @@ async def soak(model_dir: Path, *, model: str = "echo", requests: int = 300, con
                 nonlocal done
                 for item in queue:
                     try:
-                        await one(client, item)
+                        with trio.move_on_after(hang_seconds) as limit:
+                            await one(client, item)
+                        if limit.cancelled_caught:
+                            rep.hangs += 1
+                            fail(f"soak-{seed}-{item[0]}: no answer within {hang_seconds:g} s (a hang)")
                     except Exception as exc:  # noqa: BLE001 - a soak failure, reported
                         fail(f"soak-{seed}-{item[0]}: {type(exc).__name__}: {exc}")
                     done += 1
@@ -326,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hang-seconds", type=float, default=120.0,
+                   help="a request without its answer after this long is a hang")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     from afm_core.testing import make_echo_model, make_random_model
@@ -334,12 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or (make_echo_model if args.model == "echo" else make_random_model)(Path(tmp))
         rep = trio.run(lambda: soak(model_dir, model=args.model, requests=args.requests,
                                     concurrency=args.concurrency, max_batch=args.max_batch,
-                                    seed=args.seed, max_words=args.max_words))
+                                    seed=args.seed, max_words=args.max_words,
+                                    hang_seconds=args.hang_seconds))
     d = rep.as_dict()
     print(json.dumps(d, indent=1))
     print(f"\nsoak {rep.model}: {rep.requests} requests at {rep.concurrency} concurrency in {rep.duration_s} s; "
           f"cancels sent {rep.cancels_sent} (accepted {rep.cancels_accepted}, "
           f"{rep.cancelled_before_first_token} before the first token), abandons {rep.abandons}, "
+          f"slow readers {rep.slow_readers}, hangs {rep.hangs}, non-2xx {dict(rep.non_2xx) or 0}, "
           f"exact {rep.exact}; RSS {rep.rss_start_kib} -> {rep.rss_end_kib} KiB "
           f"(by tenths: {', '.join(str(k // 1024) for k in rep.rss_samples_kib)} MiB); leaked tasks "
           f"{rep.leaked_tasks} (+{rep.lingering_connections} lingering keep-alive connections), threads {len(rep.leaked_threads)}, in-flight engine {rep.engine_inflight} "
