@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -101,7 +101,7 @@ def chat_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo,
     """``(token ids, text)`` of ``request``'s prompt (see the module docstring);
     ``check(n)`` runs between pieces of the tokenization (what it raises stops it)."""
     specials = special_spellings(tokenizer)
-    if not specials or not any(_pattern(specials).search(s) for s in _client_strings(request)):
+    if not specials or not any(_finder(specials).search(s) for s in _client_strings(request)):
         text = render_prompt(request, tokenizer, info)
         return encode(tokenizer, text, check=check), text
     masker = _Masker(specials)
@@ -140,10 +140,46 @@ def _strings(value: Any) -> Iterable[str]:
             yield from _strings(item)
 
 
+class _Finder:
+    """Finds special-token spellings in a text, the longest first where several
+    start at one place.  Vocabularies can mark thousands of tokens special
+    (Gemma's ``<unused...>``): candidates are found by their first character,
+    then checked by length in a set, never by trying each spelling in turn."""
+
+    def __init__(self, specials: frozenset[str]) -> None:
+        self._set = specials
+        lengths: dict[str, set[int]] = {}
+        for spelling in specials:
+            lengths.setdefault(spelling[0], set()).add(len(spelling))
+        self._lengths = {c: sorted(ns, reverse=True) for c, ns in lengths.items()}
+        self._first = re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]")
+
+    def spans(self, text: str) -> Iterator[tuple[int, int]]:
+        """``(start, end)`` of each spelling in ``text``, left to right, not overlapping."""
+        at = 0
+        while (m := self._first.search(text, at)) is not None:
+            start = m.start()
+            at = start + 1
+            for n in self._lengths[text[start]]:
+                if text[start:start + n] in self._set:
+                    yield start, start + n
+                    at = start + n
+                    break
+
+    def search(self, text: str) -> bool:
+        return next(self.spans(text), None) is not None
+
+    def sub(self, replace: Callable[[str], str], text: str) -> str:
+        out, at = [], 0
+        for start, end in self.spans(text):
+            out += [text[at:start], replace(text[start:end])]
+            at = end
+        return "".join(out) + text[at:] if out else text
+
+
 @functools.lru_cache(maxsize=16)
-def _pattern(specials: frozenset[str]) -> re.Pattern[str]:
-    """One pattern matching any of ``specials``, the longest spelling first."""
-    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+def _finder(specials: frozenset[str]) -> _Finder:
+    return _Finder(specials)
 
 
 class _Masker:
@@ -151,13 +187,12 @@ class _Masker:
 
     def __init__(self, specials: frozenset[str]) -> None:
         self.nonce = f"afm{secrets.token_hex(8)}"
-        self._find = _pattern(specials)
+        self._find = _finder(specials)
         self._back = re.compile(self.nonce + r"s(\d+)e")
         self.spellings: list[str] = []
         self._index: dict[str, int] = {}
 
-    def _placeholder(self, match: re.Match[str]) -> str:
-        spelling = match.group(0)
+    def _placeholder(self, spelling: str) -> str:
         i = self._index.get(spelling)
         if i is None:
             i = self._index[spelling] = len(self.spellings)
@@ -198,22 +233,21 @@ def _split_at_markers(text: str, specials: frozenset[str], tokenizer: Any) -> li
     if isinstance(decoder, dict):
         added = {str(t.content): (i, bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
                  for i, t in decoder.items()}
-    find = _pattern(specials)
     out: list[tuple[str, int | None]] = []
     at = 0
     strip_next = False
-    for m in find.finditer(text):
-        piece = text[at:m.start()]
+    for start, end in _finder(specials).spans(text):
+        piece = text[at:start]
         if strip_next:
             piece = piece.lstrip()
-        token, lstrip, rstrip = added.get(m.group(0), (None, False, False))
+        token, lstrip, rstrip = added.get(text[start:end], (None, False, False))
         if token is None:
-            token = tokenizer.convert_tokens_to_ids(m.group(0))
+            token = tokenizer.convert_tokens_to_ids(text[start:end])
         if lstrip:
             piece = piece.rstrip()
         out.append((piece, int(token)))
         strip_next = rstrip
-        at = m.end()
+        at = end
     tail = text[at:]
     out.append((tail.lstrip() if strip_next else tail, None))
     return out

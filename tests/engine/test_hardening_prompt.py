@@ -163,3 +163,19 @@ def test_a_template_that_cuts_a_marker_is_refused(chatml_tokenizer: Any, monkeyp
     with pytest.raises(RequestError) as info:
         chat_prompt(req, chatml_tokenizer, None)  # type: ignore[arg-type]
     assert info.value.code == "special_token_in_text"
+
+
+def test_the_finder_matches_the_longest_spelling_first_among_thousands() -> None:
+    import random
+    import re
+
+    from afm_core._engine.prompt import _Finder
+
+    specials = frozenset({"<a>", "<ab>", "<|x|>", "[INST]", *(f"<unused{i}>" for i in range(6000))})
+    finder = _Finder(specials)
+    assert list(finder.spans("x<ab><a>[INST]<|x|<unused12><unused12345>")) == [(1, 5), (5, 8), (8, 14), (18, 28)]
+    assert finder.sub(lambda s: "#", "<a><ab>y") == "##y" and finder.sub(lambda s: "#", "plain") == "plain"
+    rng = random.Random(0)
+    text = "".join(rng.choice(["<", "a", "b", ">", "<unused7>", "x", "[INST]", "<unused59"]) for _ in range(20_000))
+    oracle = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    assert list(finder.spans(text)) == [m.span() for m in oracle.finditer(text)]
