@@ -26,6 +26,7 @@ from afm_http.testing import running_server
 CHAT = "/v1/chat/completions"
 BODY = b'{"messages": [{"role": "user", "content": "fine"}]}'
 JSON = {"Content-Type": "application/json"}
+BROWSER_UA = "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/156.0 Safari/537.36"
 
 
 def code_of(r: httpx.Response) -> str:
@@ -36,14 +37,20 @@ async def test_bodies_must_be_json_without_a_key(echo_model_dir: Path) -> None:
     async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
         for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
                      "application/jsonx", "text/json"):
-            r = await c.post(CHAT, content=BODY, headers={"Content-Type": kind})
-            assert r.status_code == 415 and code_of(r) == "unsupported_media_type", kind
-        r = await c.post(CHAT, content=BODY)  # no type at all (a page's Blob body)
+            for marks in ({"User-Agent": BROWSER_UA}, {"Sec-Fetch-Mode": "no-cors"},
+                          {"Origin": url}):
+                r = await c.post(CHAT, content=BODY, headers={"Content-Type": kind, **marks})
+                assert r.status_code == 415 and code_of(r) == "unsupported_media_type", (kind, marks)
+        r = await c.post(CHAT, content=BODY, headers={"User-Agent": BROWSER_UA})  # no type (a Blob body)
         assert r.status_code == 415
         r = await c.post("/v1/messages", content=b'{"model": "x", "max_tokens": 5, "messages": []}',
-                         headers={"Content-Type": "text/plain"})
+                         headers={"Content-Type": "text/plain", "User-Agent": BROWSER_UA})
         assert r.status_code == 415 and r.json()["type"] == "error"  # Anthropic's envelope there
         assert engine.statistics().requests_total == 0  # nothing generated
+        # a command line's form-typed JSON (curl -d) is served, as llama.cpp and Ollama serve it
+        r = await c.post(CHAT, content=BODY, headers={
+            "Content-Type": "application/x-www-form-urlencoded", "User-Agent": "curl/8.5.0"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine"
         for kind in ("application/json", "application/json; charset=utf-8", "Application/JSON",
                      "application/vnd.afm+json"):
             r = await c.post(CHAT, content=BODY, headers={"Content-Type": kind})

@@ -30,8 +30,11 @@ def test_refusal_rules() -> None:
     assert refusal(open_, method="POST", path=CHAT, headers=hdr, has_body=True) is None
     assert refusal(open_, method="GET", path="/v1/models", headers={"Host": "evil.example"},
                    has_body=False).code == "host_not_allowed"  # type: ignore[union-attr]
-    assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain"},
+    assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain",
+                                                              "Sec-Fetch-Site": "same-origin"},
                    has_body=True).status == 415  # type: ignore[union-attr]
+    assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain"},
+                   has_body=True) is None  # not a browser: curl -d sends a form type
     assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain"},
                    has_body=False) is None
     keyed = BrowserPolicy(keyed=True)
