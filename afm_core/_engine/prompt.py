@@ -39,7 +39,7 @@ from typing import Any
 from .._errors import RequestError, UnsupportedError
 from .._mlx.tokenizer import encode, hf_tokenizer, special_spellings
 from .._models.loader import ModelInfo
-from .._stream.request import ChatRequest
+from ..api.chat_request import ChatRequest
 
 __all__ = ["chat_prompt", "render_prompt"]
 
