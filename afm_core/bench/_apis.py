@@ -118,6 +118,8 @@ class Reading:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None  # the error's text, when the event is one
+    text: str = ""  # the generated text it carries (chat and completions)
+    timings: dict[str, Any] | None = None  # llama.cpp's per-request timings, when sent
 
 
 def read_event(api: str, obj: dict[str, Any]) -> Reading:
@@ -136,6 +138,8 @@ def _read_openai(obj: dict[str, Any], api: str) -> Reading:
     if "error" in obj:
         r.error = json.dumps(obj["error"])[:200]
         return r
+    if isinstance(obj.get("timings"), dict):
+        r.timings = obj["timings"]
     usage = obj.get("usage")
     if isinstance(usage, dict):
         r.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -150,8 +154,10 @@ def _read_openai(obj: dict[str, Any], api: str) -> Reading:
                 r.error = "error-marked chunk"
         if api == "completions":
             r.token = r.token or bool(choice.get("text"))
+            r.text += choice.get("text") or ""
         else:
             d = choice.get("delta") or {}
+            r.text += d.get("content") or ""
             r.token = r.token or bool(d.get("content") or d.get("reasoning_content")
                                       or d.get("reasoning") or d.get("tool_calls"))
     return r

@@ -111,8 +111,9 @@ class StreamObserver:
     """
 
     def __init__(self, result: RequestResult, t0: float, *, count_chunks: bool = False,
-                 api: str = "chat") -> None:
+                 api: str = "chat", keep_text: bool = False) -> None:
         self.result = result
+        self.parts: list[str] | None = [] if keep_text else None
         self.t0 = t0
         self.api = api
         self.done = False
@@ -149,6 +150,10 @@ class StreamObserver:
             r.prompt_tokens = reading.prompt_tokens
         if reading.finish_reason:
             r.finish_reason = reading.finish_reason
+        if reading.timings is not None:
+            r.timings = reading.timings
+        if self.parts is not None and reading.text:
+            self.parts.append(reading.text)
         if reading.done:
             self.done = True
         if reading.token:
@@ -162,6 +167,8 @@ class StreamObserver:
     def finish(self, now: float) -> None:
         r = self.result
         r.e2e = now - self.t0
+        if self.parts is not None:
+            r.text = "".join(self.parts)
         if r.error is None and not self.done:
             r.error = "no_done"
         elif r.error is None and not self.saw_usage:
@@ -182,6 +189,8 @@ class Target:
     profile: bool = False
     count_chunks: bool = False  # a server that ignores include_usage: one chunk, one token
     api: str = "chat"
+    extra: tuple[tuple[str, object], ...] = ()  # fields added to every request body
+    keep_text: bool = False  # keep each answer's text (RequestResult.text)
 
     @property
     def url(self) -> str:
@@ -212,11 +221,14 @@ async def one_request(
     job = workload.job(index)
     start = time.perf_counter() if t0 is None else t0
     result = RequestResult(index=index, start=start)
-    obs = StreamObserver(result, start, count_chunks=target.count_chunks, api=target.api)
+    obs = StreamObserver(result, start, count_chunks=target.count_chunks, api=target.api,
+                         keep_text=target.keep_text)
     headers = [("Accept", "text/event-stream")]
     if target.profile:
         headers.append(("X-AFM-Profile", "extended"))
-    body = json.dumps(request_body(job, target.api, model=target.model)).encode()
+    fields = request_body(job, target.api, model=target.model)
+    fields.update(target.extra)
+    body = json.dumps(fields).encode()
     try:
         with trio.move_on_after(request_timeout) as scope:
             async with client.post(target.path, body, headers) as resp:

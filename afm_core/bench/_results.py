@@ -29,6 +29,8 @@ class RequestResult:
     error: str | None = None
     detail: str | None = None
     profile: dict[str, Any] | None = None
+    text: str | None = None  # the generated text (only when the target keeps it)
+    timings: dict[str, Any] | None = None  # the server's own timings (llama.cpp's), if sent
 
     @property
     def ok(self) -> bool:
