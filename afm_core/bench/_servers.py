@@ -39,6 +39,8 @@ class ServerSpec:
     argv: tuple[str, ...]
     model_field: str | None = None
     health_path: str = "/health"
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for the process on top of this one's."""
 
 
 def free_port() -> int:
@@ -56,15 +58,19 @@ def ours_available() -> bool:
         return False
 
 
-def ours_spec(model_dir: str | Path, port: int, *, max_batch: int | None = None,
-              extra: tuple[str, ...] = ()) -> ServerSpec:
+def ours_spec(model_dir: str | Path | None, port: int, *, max_batch: int | None = None,
+              extra: tuple[str, ...] = (), name: str = "ours",
+              env: tuple[tuple[str, str], ...] = ()) -> ServerSpec:
     """``afm serve --model DIR --host 127.0.0.1 --port P --quiet`` (no access
-    log, like the peer at ``--log-level WARNING``)."""
-    argv: tuple[str, ...] = (sys.executable, "-m", "afm_core._cli", "serve", "--model",
-                             str(model_dir), "--host", HOST, "--port", str(port), "--quiet")
+    log, like the peer at ``--log-level WARNING``); without ``model_dir``
+    the default model (no ``--model``)."""
+    argv: tuple[str, ...] = (sys.executable, "-m", "afm_core._cli", "serve")
+    if model_dir is not None:
+        argv += ("--model", str(model_dir))
+    argv += ("--host", HOST, "--port", str(port), "--quiet")
     if max_batch is not None:
         argv += ("--max-batch", str(max_batch))
-    return ServerSpec("ours", argv + extra, model_field=None)
+    return ServerSpec(name, argv + extra, model_field=None, env=env)
 
 
 #: The line the peer's launcher prints with its BLAS (``BLAS_MARK {json}``).
@@ -99,49 +105,6 @@ def peer_spec(model_dir: str | Path, port: int, *, decode_concurrency: int | Non
     if decode_concurrency is not None:
         argv += ("--decode-concurrency", str(decode_concurrency))
     return ServerSpec("mlx_lm.server", argv + extra, model_field=None)
-
-
-LLAMACPP = "llama.cpp"
-LLAMACPP_PACKAGE = "llama-cpp-python[server]==0.3.36"
-
-
-def llamacpp_unavailable() -> str | None:
-    """Why ``llama_cpp.server`` cannot run here, or None when it can."""
-    hint = (f"install it with: pip install '{LLAMACPP_PACKAGE}' (or the extra "
-            "'afm[bench-llamacpp]'; it compiles llama.cpp, several minutes)")
-    try:
-        if importlib.util.find_spec("llama_cpp") is None:
-            return f"llama-cpp-python is not installed; {hint}"
-        missing = [m for m in ("fastapi", "uvicorn", "sse_starlette", "pydantic_settings",
-                               "starlette_context") if importlib.util.find_spec(m) is None]
-    except (ImportError, ValueError) as exc:
-        return f"llama-cpp-python cannot be imported ({exc}); {hint}"
-    if missing:
-        return f"llama-cpp-python's server extra is missing ({', '.join(missing)}); {hint}"
-    return None
-
-
-def llamacpp_spec(gguf: str | Path, port: int, *, threads: int = 2, n_ctx: int = 2048,
-                  extra: tuple[str, ...] = ()) -> ServerSpec:
-    """``python -m llama_cpp.server`` on a GGUF file.
-
-    It serves one request at a time (a lock around its one ``Llama``; 0.3.36
-    has no parallel-slots setting).  By default (``interrupt_requests``) a
-    streamed answer is cut short with ``[DONE]`` as soon as another request
-    waits, so it is turned off: concurrent requests queue and each runs to
-    its end.  Its ``logits_all`` (on by default, for ``logprobs``) computes
-    the vocabulary's logits at every prompt position and keeps an ``n_ctx`` x
-    vocabulary buffer (400 MB here); neither afm nor llama.cpp's own server
-    does that, so it is turned off too (measured: a 514-token prefill 20%
-    faster, 200 MB less).  ``/v1/models`` is its health check (it has no
-    ``/health``).
-    """
-    argv: tuple[str, ...] = (
-        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST,
-        "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-        "--n_ctx", str(n_ctx), "--interrupt_requests", "False", "--logits_all", "False",
-        "--verbose", "False")
-    return ServerSpec(LLAMACPP, argv + extra, model_field=None, health_path="/v1/models")
 
 
 def peak_rss_bytes(pid: int) -> dict[str, int] | None:
@@ -238,9 +201,11 @@ async def serving_process(spec: ServerSpec, port: int, log_dir: Path, *,
     # any load, and blocks only for a moment; and with no checkpoint between starting
     # the child and the try/finally below, a cancellation cannot leak the process.
     log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
-    log_path = log_dir / f"{spec.name.replace('.', '_')}-{port}.log"
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name)
+    log_path = log_dir / f"{safe}-{port}.log"
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(spec.env)
     with open(log_path, "wb") as log:  # noqa: ASYNC230
         proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,  # noqa: ASYNC220
                                 stdin=subprocess.DEVNULL, env=env)
