@@ -11,8 +11,11 @@ Examples::
               --concurrency 1 --requests 1 --rounds 500
                                                 # (one command) every API in one run on the same
                                                 # prompts, request by request; chat twice: A/A
-    afm bench --real-model                      # default model: raw, peer, ours vs llama.cpp
-    afm bench --real-model --rounds 1 --batch-requests 8 --targets ours,llamacpp
+    afm bench --real-model                      # default model: afm (best and AVX2 kernels)
+                                                # vs llama.cpp's batching server (xllamacpp)
+    afm bench --real-model --models all         # + Qwen2.5-Coder 0.5B/1.5B, Gemma-3-270M
+    afm bench --real-model --gguf FILE.gguf --ttft-lengths 512,4096 --rounds 1
+    afm bench --speculation                     # Qwen2.5-Coder-1.5B: draft 0.5B / prompt lookup
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _targets(text: str) -> tuple[str, ...]:
-    from ._real import REAL_TARGETS
+    from ._real_targets import REAL_TARGETS
     from ._run import ALL_TARGETS
+    from ._spec import SPEC_TARGETS
 
-    known = ALL_TARGETS + tuple(t for t in REAL_TARGETS if t not in ALL_TARGETS)
+    known = tuple(dict.fromkeys(ALL_TARGETS + REAL_TARGETS + SPEC_TARGETS))
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [n for n in names if n not in known]
     if bad:
@@ -98,8 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="mlx-lm model directory (default: a fresh random tiny test model)")
     a("--targets", type=_targets, default=None,
       help="comma list of raw, raw_kernels (raw with the engine's CPU kernels), peer "
-           "(mlx_lm.server), ours (afm serve), llamacpp (--real-model only); default "
-           + ",".join(DEFAULT_TARGETS) + " (with --real-model raw,peer,ours,llamacpp)")
+           "(mlx_lm.server), ours (afm serve); with --real-model also ours_avx2, llamacpp, "
+           "llamacpp_py; with --speculation ours, ours_lookup, ours_draft, llamacpp, "
+           "llamacpp_draft; default " + ",".join(DEFAULT_TARGETS)
+           + " (--real-model: ours,ours_avx2,llamacpp; --speculation: all five)")
     a("--api", type=_apis, default=("chat",),
       help="the wire API the served targets are driven through: chat (/v1/chat/completions), "
            "completions (/v1/completions: the prompt text raw, and raw mlx-lm without the chat "
@@ -122,13 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--warmup", type=int, default=None,
       help="unrecorded warm-up requests per target (default 4; --real-model: 1 per phase)")
     a("--request-timeout", type=float, default=None,
-      help="seconds per request (default 120; --real-model 300)")
+      help="seconds per request (default 120; --real-model: from the phase's work)")
     a("--level-timeout", type=float, default=None,
-      help="seconds per level per target (default 300; --real-model 600)")
+      help="seconds per level per target (default 300; --real-model: from the requests')")
     a("--time-budget", type=float, default=None,
-      help="seconds for the whole run (default 1800; --real-model 2400)")
+      help="seconds for the whole run (default 1800; --real-model: 4x the estimate, >= 2400)")
     a("--startup-timeout", type=float, default=None,
-      help="seconds for a server to be healthy (default 180; --real-model 300)")
+      help="seconds for a server to be healthy (default 180; --real-model 600: a conversion)")
     a("--max-batch", type=int, default=None,
       help="streams decoded together by both servers: afm serve --max-batch and "
            "mlx_lm.server --decode-concurrency (default: the largest level)")
@@ -145,84 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--serve-arg", action="append", default=[], help="extra argument for afm serve")
     a("--peer-arg", action="append", default=[], help="extra argument for mlx_lm.server")
     a("--out", default=None, help="output directory (default bench-results/bench-TIMESTAMP)")
-    real = parser.add_argument_group(
-        "real-model mode", "the default model (SmolLM2-135M-Instruct, as afm serve loads it) "
-        "through raw mlx-lm, mlx_lm.server and afm serve against llama.cpp "
-        "(llama-cpp-python's server) on the same GGUF file, in interleaved rounds")
-    r = real.add_argument
-    r("--real-model", action="store_true",
-      help="run the real-model comparison instead of the load levels above")
-    r("--gguf", default=None,
-      help="GGUF file for llama.cpp (default: the default model's, when --model is not given)")
-    r("--decode-tokens", type=int, default=128, help="tokens per single-stream request")
-    r("--decode-requests", type=int, default=2, help="single-stream requests per round")
-    r("--batch-requests", type=int, default=8, help="requests per round at 8 streams")
-    r("--batch-tokens", type=int, default=64, help="tokens per request at 8 streams")
-    r("--ttft-prompt-tokens", type=int, default=512, help="prompt length of the TTFT phase")
-    r("--ttft-requests", type=int, default=2, help="TTFT requests per round")
-    r("--llamacpp-threads", type=int, default=2, help="llama.cpp's --n_threads (and batch)")
-    r("--llamacpp-arg", action="append", default=[],
-      help="extra argument for python -m llama_cpp.server")
+    from ._real_cli import add_real_arguments
 
-
-def run_real_model(args: argparse.Namespace) -> int:
-    """``afm bench --real-model``: see ``afm_core.bench._real``."""
-    import trio
-
-    from afm_core._errors import ModelLoadError
-    from afm_core._models.default_model import fetch_default_gguf
-    from afm_core._models.resolve import resolve_model
-
-    from ._real import DEFAULT_REAL_TARGETS, REAL_TARGETS, RealConfig, run_real
-    from ._real_report import format_real_table, write_real_report
-
-    targets = args.targets if args.targets is not None else DEFAULT_REAL_TARGETS
-    if args.api != ("chat",):
-        print("afm bench --real-model drives chat completions only (llama.cpp's server is the "
-              "peer); use --api without --real-model", file=sys.stderr)
-        return 2
-    bad = [t for t in targets if t not in REAL_TARGETS]
-    if bad or args.url or args.rate:
-        print(f"afm bench --real-model: targets are {','.join(REAL_TARGETS)} "
-              f"(not {bad or '--url/--rate'})", file=sys.stderr)
-        return 2
-    try:
-        model = resolve_model(args.model)  # what afm serve loads (the default without --model)
-        gguf = args.gguf or (None if args.model else str(fetch_default_gguf()))
-    except ModelLoadError as exc:
-        print(f"afm bench --real-model: {exc}", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out or Path("bench-results") / time.strftime("real-%Y%m%d-%H%M%S"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = RealConfig(
-        model=str(Path(model).resolve()),
-        gguf=gguf,
-        out_dir=str(out_dir),
-        targets=targets,
-        rounds=args.rounds or 2,
-        decode_tokens=args.decode_tokens,
-        decode_requests=args.decode_requests,
-        batch_requests=args.batch_requests,
-        batch_tokens=args.batch_tokens,
-        ttft_prompt_tokens=args.ttft_prompt_tokens,
-        ttft_requests=args.ttft_requests,
-        seed=args.seed,
-        warmup=1 if args.warmup is None else args.warmup,
-        request_timeout=args.request_timeout or 300.0,
-        level_timeout=args.level_timeout or 600.0,
-        time_budget=args.time_budget or 2400.0,
-        startup_timeout=args.startup_timeout or 300.0,
-        llamacpp_threads=args.llamacpp_threads,
-        serve_args=tuple(args.serve_arg),
-        peer_args=tuple(args.peer_arg),
-        llamacpp_args=tuple(args.llamacpp_arg),
-    )
-    report = trio.run(run_real, cfg)
-    paths = write_real_report(report, out_dir)
-    print(format_real_table(report))
-    for p in paths:
-        print(f"wrote {p}")
-    return 0 if report["phases"] and any(ph["by_target"] for ph in report["phases"]) else 1
+    add_real_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,12 +162,17 @@ def run(args: argparse.Namespace) -> int:
     from ._report import format_table, write_report
     from ._run import DEFAULT_TARGETS, BenchConfig, run_bench
 
-    if args.real_model:
-        return run_real_model(args)
+    if args.real_model or args.speculation:
+        from ._real_cli import run_real_mode
+
+        return run_real_mode(args)
     if args.targets is None:
         args.targets = DEFAULT_TARGETS
-    if "llamacpp" in args.targets:
-        print("afm bench: the llamacpp target runs in --real-model mode only", file=sys.stderr)
+    from ._run import ALL_TARGETS
+
+    if any(t not in ALL_TARGETS for t in args.targets):
+        print("afm bench: the llamacpp, ours_avx2 and speculation targets run in --real-model or "
+              "--speculation mode only", file=sys.stderr)
         return 2
     args.warmup = 4 if args.warmup is None else args.warmup
     args.request_timeout = args.request_timeout or 120.0

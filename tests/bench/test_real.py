@@ -1,42 +1,46 @@
-"""Tests for ``afm bench --real-model``: the report against llama.cpp (ratios,
-table, plot) on fake results, the llama.cpp target's skip when
-llama-cpp-python is missing, and a short run on the random tiny model.
-Nothing here needs the real default model or llama-cpp-python."""
+"""Tests for ``afm bench --real-model``: the report's bookkeeping (which
+figure each ratio comes from and which way it points, paired rounds, the
+columns a model's phases give), the phases planned for a model's context,
+the targets chosen and skipped, and short runs on the random tiny model.
+Nothing here needs a real model or llama.cpp (``test_real_llamacpp.py``
+runs llama.cpp where it is installed); no timing is ever asserted."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import Any
 
 import pytest
-import trio
 
-from afm_core.bench import _servers
-from afm_core.bench._loadgen import StreamObserver
-from afm_core.bench._real import (
-    RealConfig,
-    calibrate_words,
-    expected_seconds,
-    make_phases,
-    run_real,
-)
+from afm_core.bench import _llamacpp, _real_targets
+from afm_core.bench._real import RealConfig, _n_ctx, expected_seconds, select_targets
+from afm_core.bench._real_models import ModelSpec
+from afm_core.bench._real_phases import length_label, plan_phases
 from afm_core.bench._real_report import (
-    build_real_report,
+    build_model_report,
+    columns_for,
     decode_rates,
     format_real_table,
     write_real_report,
 )
+from afm_core.bench._real_targets import TargetContext
 from afm_core.bench._results import RequestResult, RunResult
 
-PHASES = [{"name": "decode", "title": "1 stream"}, {"name": "batch", "title": "8 streams"},
-          {"name": "ttft", "title": "512-token prompts", "prompt_tokens_mean": 511.5}]
+PHASES: list[dict[str, Any]] = [
+    {"name": "decode", "kind": "decode", "title": "1 stream"},
+    {"name": "batch", "kind": "batch", "title": "8 streams"},
+    {"name": "ttft_512", "kind": "ttft", "title": "512", "prompt_tokens_mean": 509.0,
+     "prompt_tokens_target": 512, "prompt_tokens_requested": 512},
+    {"name": "ttft_16k", "kind": "ttft", "title": "capped", "prompt_tokens_mean": 8150.0,
+     "prompt_tokens_target": 8168, "prompt_tokens_requested": 16384},
+]
 
 
 def _fake(target: str, phase: str, rnd: int, *, tpot: float, ttft: float, tokens: int = 33,
-          n: int = 2, duration: float | None = None) -> RunResult:
+          n: int = 2, duration: float | None = None, prompt: int = 100) -> RunResult:
     """``n`` requests of ``tokens`` tokens, ``tpot`` s per token after the first."""
-    reqs = [RequestResult(index=i, ttft=ttft, e2e=ttft + tpot * (tokens - 1),
+    reqs = [RequestResult(index=i, ttft=ttft, e2e=ttft + tpot * (tokens - 1), prompt_tokens=prompt,
                           itls=[tpot] * (tokens - 1), output_tokens=tokens) for i in range(n)]
     dur = duration if duration is not None else n * (ttft + tpot * (tokens - 1))
     run = RunResult(target, phase, 1.0, dur, reqs)
@@ -47,22 +51,34 @@ def _fake(target: str, phase: str, rnd: int, *, tpot: float, ttft: float, tokens
 def _fake_runs(llama_decode: tuple[float, float] = (0.01, 0.01)) -> list[RunResult]:
     runs = []
     for rnd in (0, 1):
-        # llama.cpp: 100 tok/s decode, 200 tok/s at C=8, 100 ms TTFT
+        # llama.cpp: 100 tok/s decode, 200 tok/s at 8 streams, 100 ms and 4 s TTFT
         runs.append(_fake("llama.cpp", "decode", rnd, tpot=llama_decode[rnd], ttft=0.01))
         runs.append(_fake("llama.cpp", "batch", rnd, tpot=0.01, ttft=0.01, n=8, duration=8 * 33 / 200))
-        runs.append(_fake("llama.cpp", "ttft", rnd, tpot=0.01, ttft=0.100, tokens=8))
-        # ours: 50 tok/s decode, 400 tok/s at C=8, 300 ms TTFT
+        runs.append(_fake("llama.cpp", "ttft_512", rnd, tpot=0.01, ttft=0.100, tokens=8))
+        runs.append(_fake("llama.cpp", "ttft_16k", rnd, tpot=0.01, ttft=4.0, tokens=8))
+        # ours: 50 tok/s decode, 400 tok/s at 8 streams, 300 ms and 2 s TTFT
         runs.append(_fake("ours", "decode", rnd, tpot=0.02, ttft=0.01))
         runs.append(_fake("ours", "batch", rnd, tpot=0.02, ttft=0.02, n=8, duration=8 * 33 / 400))
-        runs.append(_fake("ours", "ttft", rnd, tpot=0.02, ttft=0.300, tokens=8))
+        runs.append(_fake("ours", "ttft_512", rnd, tpot=0.02, ttft=0.300, tokens=8))
+        runs.append(_fake("ours", "ttft_16k", rnd, tpot=0.02, ttft=2.0, tokens=8))
         runs.append(_fake("raw", "decode", rnd, tpot=0.025, ttft=0.01))
     return runs
 
 
-SERVERS = {"llama.cpp": {"peak_rss_bytes": 200 * 2**20, "blas": {"name": "ggml"}},
-           "ours": {"peak_rss_bytes": 800 * 2**20,
+SERVERS = {"llama.cpp": {"peak_rss_bytes": 200 * 2**20, "isa": "avx2", "blas": {"name": "ggml"},
+                         "threads": 2},
+           "ours": {"peak_rss_bytes": 300 * 2**20, "isa": "avx512-vnni", "threads": 2,
                     "blas": {"name": "openblas", "threads": 2, "verified": True}},
            "raw": {"peak_rss_bytes": 1000 * 2**20}}
+SPEC = {"name": "tiny-gguf", "gguf": "/m/tiny.gguf", "architecture": "llama", "context": 8192,
+        "api": "chat", "weight_bytes": 90_000_000}
+
+
+def _report(**kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {"spec": SPEC, "phases": PHASES, "servers": SERVERS, "skipped": {}}
+    args.update(kw)
+    runs = args.pop("runs", None)
+    return build_model_report(_fake_runs() if runs is None else runs, **args)
 
 
 def test_decode_rate_leaves_the_prefill_out() -> None:
@@ -73,157 +89,231 @@ def test_decode_rate_leaves_the_prefill_out() -> None:
     assert len(decode_rates(run)) == 2
 
 
-def test_report_sets_every_figure_against_llamacpp(tmp_path: Path) -> None:
-    rep = build_real_report(_fake_runs(), phases=PHASES, servers=SERVERS,
-                            meta={"model": "/m/SmolLM2"}, config={"rounds": 2}, skipped={})
+def test_columns_follow_the_phases() -> None:
+    cols = columns_for(PHASES)
+    assert [c["key"] for c in cols] == ["decode_tok_s", "batch_tok_s", "ttft_512_ms", "ttft_16k_ms",
+                                        "peak_rss_mib"]
+    titles = {c["key"]: c["title"] for c in cols}
+    assert titles["ttft_512_ms"] == "TTFT 512"  # not capped: no length in the title
+    assert titles["ttft_16k_ms"] == "TTFT 16k (8150)"  # capped to the context: its real length
+
+
+def test_every_ratio_points_up_when_better_except_rss() -> None:
+    rep = _report()
     assert rep["targets"] == ["llama.cpp", "ours", "raw"]
     ours = rep["headline"]["ours"]
     assert ours["decode_tok_s"] == pytest.approx(50.0)
     assert ours["batch_tok_s"] == pytest.approx(400.0)
-    assert ours["ttft_p50_ms"] == pytest.approx(300.0)
-    assert ours["peak_rss_mib"] == pytest.approx(800.0)
+    assert ours["ttft_512_ms"] == pytest.approx(300.0)
+    assert ours["ttft_16k_ms"] == pytest.approx(2000.0)
+    assert ours["peak_rss_mib"] == pytest.approx(300.0)
     vs = ours["vs_llama.cpp"]
-    assert vs["decode_tok_s"] == pytest.approx(0.5)
+    assert vs["decode_tok_s"] == pytest.approx(0.5)  # slower decode: below 1
     assert vs["batch_tok_s"] == pytest.approx(2.0)
-    assert vs["ttft_p50_ms"] == pytest.approx(3.0)
-    assert vs["peak_rss_mib"] == pytest.approx(4.0)
+    assert vs["ttft_512_ms"] == pytest.approx(100 / 300)  # slower first token: below 1
+    assert vs["ttft_16k_ms"] == pytest.approx(2.0)  # faster first token: above 1
+    assert vs["peak_rss_mib"] == pytest.approx(1.5)  # RSS stays this / llama.cpp
     assert vs["decode_tok_s_by_round"] == pytest.approx([0.5, 0.5])
     assert rep["headline"]["llama.cpp"]["vs_llama.cpp"]["decode_tok_s"] == pytest.approx(1.0)
     raw = rep["headline"]["raw"]
     assert raw["decode_tok_s"] == pytest.approx(40.0) and raw["batch_tok_s"] is None
-    assert raw["vs_llama.cpp"]["batch_tok_s"] is None
-    ttft = next(p for p in rep["phases"] if p["name"] == "ttft")
-    assert ttft["by_target"]["ours"]["requests"] == 4 and ttft["by_target"]["ours"]["rounds"] == 2
-    table = format_real_table(rep)
-    assert "x llama" in table and "0.500" in table and "openblas 2t" in table
-    assert "paired ratios" in table and "512-token prompts" in table
-    paths = write_real_report(rep, tmp_path)
-    assert [p.name for p in paths] == ["report.json", "report.txt", "report.png"]
-    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    json.loads((tmp_path / "report.json").read_text())
+    assert raw["vs_llama.cpp"]["batch_tok_s"] is None and raw["vs_llama.cpp"]["ttft_512_ms"] is None
 
 
-def test_decode_ratio_is_the_median_of_paired_rounds() -> None:
+def test_speed_ratios_are_medians_of_paired_rounds() -> None:
     # llama.cpp's round 2 ran in a burst of load from elsewhere (half speed)
-    rep = build_real_report(_fake_runs(llama_decode=(0.01, 0.02)), phases=PHASES,
-                            servers=SERVERS, meta={}, config={"rounds": 2}, skipped={})
+    rep = _report(runs=_fake_runs(llama_decode=(0.01, 0.02)))
     vs = rep["headline"]["ours"]["vs_llama.cpp"]
     assert vs["decode_tok_s_by_round"] == pytest.approx([0.5, 1.0])
     assert vs["decode_tok_s"] == pytest.approx(0.75)
     assert vs["decode_tok_s_pooled"] == pytest.approx(50.0 / 75.0)
 
 
-@pytest.mark.parametrize("case", ["no-llamacpp", "nothing-ran"])
-def test_report_without_llamacpp(case: str, tmp_path: Path) -> None:
-    runs = [r for r in _fake_runs() if r.target != "llama.cpp"] if case == "no-llamacpp" else []
-    skipped = {"llama.cpp": "llama-cpp-python is not installed; install it with: pip install x"}
-    rep = build_real_report(runs, phases=PHASES, servers={}, meta={}, config={}, skipped=skipped)
-    assert all("vs_llama.cpp" not in h for h in rep["headline"].values())
+def test_phase_details_count_prompts_and_flag_a_mismatch() -> None:
+    runs = _fake_runs()
+    for run in runs:
+        if run.target == "ours" and run.mode == "ttft_512":
+            for q in run.requests:
+                q.prompt_tokens = 140
+    rep = _report(runs=runs)
+    ph = next(p for p in rep["phases"] if p["name"] == "ttft_512")
+    assert ph["by_target"]["ours"]["requests"] == 4 and ph["by_target"]["ours"]["rounds"] == 2
+    assert ph["by_target"]["llama.cpp"]["prompt_tokens_mean"] == 100
+    assert any("ttft_512" in n and "different prompt lengths" in n for n in rep["notes"])
+    assert not any("decode:" in n for n in rep["notes"])
+
+
+def test_table_and_files(tmp_path: Path) -> None:
+    model = _report(skipped={"ours-avx2": "this CPU's best kernels are avx2 already"})
+    rep = {"mode": "real-model", "baseline": "llama.cpp", "models": [model],
+           "missing": {"gemma-3-270m": "not found in /nowhere"},
+           "meta": {"cpu_count": 2, "loadavg_start": [1.0], "loadavg_end": [2.0]},
+           "config": {"rounds": 2}}
     table = format_real_table(rep)
-    assert "skipped llama.cpp: llama-cpp-python is not installed" in table
-    write_real_report(rep, tmp_path)
-    assert (tmp_path / "report.png").is_file()
+    assert "== tiny-gguf: tiny.gguf, llama, context 8192" in table
+    assert "0.50x" in table and "2.00x" in table and "1.50x" in table
+    assert "avx512-vnni / openblas 2t / 2" in table and "avx2 / ggml / 2" in table
+    assert "skipped ours-avx2: this CPU's best kernels are avx2 already" in table
+    assert "model gemma-3-270m not run: not found in /nowhere" in table
+    assert "paired ratios" in table
+    paths = write_real_report(rep, tmp_path)
+    assert [p.name for p in paths] == ["report.json", "report.txt", "report.png"]
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.loads((tmp_path / "report.json").read_text())
 
 
-def test_llamacpp_is_skipped_with_a_clear_message_when_not_importable(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    real_find_spec = _servers.importlib.util.find_spec
+def test_report_without_llamacpp_has_no_ratios(tmp_path: Path) -> None:
+    runs = [r for r in _fake_runs() if r.target != "llama.cpp"]
+    model = _report(runs=runs, servers={}, skipped={"llama.cpp": "xllamacpp is not installed"})
+    assert all("vs_llama.cpp" not in h for h in model["headline"].values())
+    rep = {"models": [model], "meta": {}, "config": {}}
+    assert "skipped llama.cpp: xllamacpp is not installed" in format_real_table(rep)
+    write_real_report(rep, tmp_path)  # a plot without any ratio
+
+
+def test_phases_are_capped_to_the_context_and_run_once() -> None:
+    cfg = RealConfig(out_dir="/o", ttft_lengths=(512, 4096, 16384), ttft_max_tokens=8)
+    plans = plan_phases(cfg, 8192)
+    ttft = [p for p in plans if p.kind == "ttft"]
+    assert [p.name for p in ttft] == ["ttft_512", "ttft_4k", "ttft_16k"]
+    assert [p.prompt_tokens for p in ttft] == [512, 4096, 8192 - 8 - 16]
+    assert [p.warm for p in ttft] == [True, False, False]  # only the shortest is warmed up
+    small = plan_phases(cfg, 4096)  # 4k and 16k both capped to the same length: one phase
+    assert [p.name for p in small if p.kind == "ttft"] == ["ttft_512", "ttft_4k"]
+    assert [p.concurrency for p in plans[:2]] == [1, 8]
+    assert [length_label(n) for n in (512, 4096, 16384, 1500)] == ["512", "4k", "16k", "1500"]
+    spec = ModelSpec(name="m", gguf=None, context=8192, weight_bytes=90_000_000)
+    assert _n_ctx(cfg, spec, plans) == 8192  # the longest prompt and its tokens, within the context
+    assert _n_ctx(cfg, ModelSpec(name="m", gguf=None), plan_phases(cfg, None)) >= 16384 + 128
+    assert 0 < expected_seconds(cfg, spec, plans, 1) < expected_seconds(cfg, spec, plans, 3)
+
+
+def _ctx(tmp_path: Path) -> TargetContext:
+    return TargetContext(log_dir=tmp_path, threads=2)
+
+
+def test_targets_skip_with_their_reasons(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_find_spec = _llamacpp.importlib.util.find_spec
 
     def find_spec(name: str, *args: object) -> object:
-        return None if name.split(".")[0] == "llama_cpp" else real_find_spec(name)
+        return None if name.split(".")[0] in ("xllamacpp", "llama_cpp") else real_find_spec(name)
 
-    monkeypatch.setattr(_servers.importlib.util, "find_spec", find_spec)
-    why = _servers.llamacpp_unavailable()
-    assert why is not None and "llama-cpp-python is not installed" in why
-    assert "pip install 'llama-cpp-python[server]==0.3.36'" in why
-    cfg = RealConfig(model=str(tmp_path / "no-model"), gguf=str(tmp_path / "x.gguf"),
-                     out_dir=str(tmp_path), targets=("llamacpp",), rounds=1)
-    rep = trio.run(run_real, cfg)
-    assert rep["skipped"]["llama.cpp"] == why
-    assert all(not p["by_target"] for p in rep["phases"])
-    assert "skipped llama.cpp: llama-cpp-python is not installed" in format_real_table(rep)
-
-
-def test_llamacpp_spec_queues_instead_of_interrupting() -> None:
-    spec = _servers.llamacpp_spec("/m/x.gguf", 1234, threads=2, n_ctx=2048)
-    argv = list(spec.argv)
-    assert argv[1:3] == ["-m", "llama_cpp.server"]
-    assert argv[argv.index("--interrupt_requests") + 1] == "False"
-    assert argv[argv.index("--logits_all") + 1] == "False"
-    assert argv[argv.index("--n_threads") + 1] == "2"
-    assert spec.health_path == "/v1/models" and spec.name == "llama.cpp"
+    monkeypatch.setattr(_llamacpp.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(_real_targets, "_afm_isa_best", lambda: "avx2")
+    cfg = RealConfig(out_dir=str(tmp_path), targets=("ours", "ours_avx2", "llamacpp", "llamacpp_py",
+                                                     "raw"))
+    spec = ModelSpec(name="qwen", gguf=str(tmp_path / "q.gguf"),
+                     afm_error="afm cannot load it yet: unsupported GGUF architecture 'qwen2'")
+    names, skipped = select_targets(cfg, spec, _ctx(tmp_path))
+    assert names == []
+    assert skipped["ours"].startswith("afm cannot load it yet") and skipped["raw"] == skipped["ours"]
+    assert "pip install 'xllamacpp==" in skipped["llama.cpp"]
+    assert "llama-cpp-python is not installed" in skipped["llama-cpp-python"]
+    ok = ModelSpec(name="smol", gguf=None, directory=str(tmp_path))
+    names, skipped = select_targets(cfg, ok, _ctx(tmp_path))
+    assert names == ["ours", "raw"]
+    assert "best kernels are avx2 already" in skipped["ours-avx2"]
+    assert "no GGUF file" in skipped["llama.cpp"]
 
 
-def test_chunks_count_as_tokens_for_a_server_without_usage() -> None:
-    def chunk(text: str) -> str:
-        return json.dumps({"choices": [{"delta": {"content": text}}]})
-
-    for count_chunks, tokens, error in ((True, 3, None), (False, 0, "no_usage")):
-        r = RequestResult(index=0)
-        obs = StreamObserver(r, 0.0, count_chunks=count_chunks)
-        for k, text in enumerate(["a", "b", "", "c"]):
-            obs.data(chunk(text), 0.1 * (k + 1))
-        obs.data("[DONE]", 0.5)
-        obs.finish(0.5)
-        assert (r.output_tokens, r.error) == (tokens, error)
-
-
-def test_peak_rss_and_the_peer_blas_line(tmp_path: Path) -> None:
-    rss = _servers.peak_rss_bytes(os.getpid())
-    assert rss is not None and rss["peak"] >= rss["current"] > 0
-    assert _servers.peak_rss_bytes(2**22 + 12345) is None
-    log = tmp_path / "peer.log"
-    log.write_text('noise\nafm-bench-blas: {"name": "openblas", "threads": 2}\nmore\n')
-    assert _servers.blas_from_log(log) == {"name": "openblas", "threads": 2}
-    log.write_text("no line\n")
-    assert _servers.blas_from_log(log) is None
+def test_afm_targets_are_launched_alike_but_for_the_kernels(tmp_path: Path) -> None:
+    spec = ModelSpec(name="m", gguf="/m/x.gguf", afm_model="/m/x.gguf", directory="/d")
+    ctx = TargetContext(log_dir=tmp_path, threads=3, threads_explicit=True, max_batch=8)
+    ours = _real_targets._spec_for("ours", spec, ctx, 1234, "ours", ())
+    avx2 = _real_targets._spec_for("ours_avx2", spec, ctx, 1234, "ours-avx2", ())
+    assert ours.argv == avx2.argv
+    argv = list(ours.argv)
+    assert argv[argv.index("--prefix-cache-bytes") + 1] == "0"
+    assert argv[argv.index("--max-batch") + 1] == "8" and argv[argv.index("--model") + 1] == "/m/x.gguf"
+    assert dict(ours.env) == {"AFM_BLAS_THREADS": "3", "AFM_QMM_THREADS": "3"}
+    assert dict(avx2.env) == {"AFM_BLAS_THREADS": "3", "AFM_QMM_THREADS": "3",
+                              "AFM_QMM_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell"}
+    default = _real_targets._spec_for("ours", ModelSpec(name="d", gguf="/g"), ctx, 1, "ours", ())
+    assert "--model" not in default.argv  # the default model: afm serve without --model
 
 
-def test_calibration_and_phases() -> None:
-    def count(words: int) -> float:  # ~1.3 tokens a word plus a 30-token template
-        return 30 + 1.3 * words
+def test_llamacpp_runs_its_batching_server_with_caches_off(tmp_path: Path) -> None:
+    spec = ModelSpec(name="m", gguf="/m/x.gguf")
+    ctx = TargetContext(log_dir=tmp_path, threads=2, max_batch=8, n_ctx=16640,
+                        llamacpp_settings=("flash_attn_type=DISABLED",))
+    server = _real_targets._spec_for("llamacpp", spec, ctx, 4321, "llama.cpp", ())
+    argv = list(server.argv)
+    assert argv[1].endswith("_llamacpp_launcher.py")
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    for item in ("n_parallel=8", "kv_unified=true", "n_ctx=16640", "cpuparams.n_threads=2",
+                 "cpuparams_batch.n_threads=2", "cache_ram_mib=0", "cache_idle_slots=false"):
+        assert item in sets
+    assert sets[-1] == "flash_attn_type=DISABLED"  # the user's settings come last
+    assert server.health_path == "/health" and server.name == "llama.cpp"
+    assert _llamacpp.REQUEST_EXTRA == {"cache_prompt": False}
+    serial = _real_targets._spec_for("llamacpp_py", spec, ctx, 4321, "llama-cpp-python", ())
+    args = list(serial.argv)
+    assert args[1:3] == ["-m", "llama_cpp.server"]
+    assert args[args.index("--interrupt_requests") + 1] == "False"
+    assert args[args.index("--n_ctx") + 1] == "16640"
+    assert "llamacpp_py" in _real_targets.SERIAL_KEYS
 
-    words = calibrate_words(count, 512)
-    assert abs(count(words) - 512) <= 1.3
-    cfg = RealConfig(model="/m", gguf=None, out_dir="/o", rounds=2, warmup=1)
-    phases, means = make_phases(cfg, None)
-    assert [p.name for p in phases] == ["decode", "batch", "ttft"] and means == {}
-    assert [p.concurrency for p in phases] == [1, 8, 1]
-    for p in phases:
-        assert len(p.workload.jobs) == p.requests * 2 + 1
-        assert p.first_index(1) == p.requests
-    seeds = {p.workload.seed for p in phases}
-    assert len(seeds) == 3
-    assert 0 < expected_seconds(cfg, ("raw", "llamacpp")) < expected_seconds(
-        cfg, ("raw", "peer", "ours", "llamacpp"))
 
-
-def test_cli_refuses_targets_outside_their_mode(tmp_path: Path) -> None:
+def test_cli_refuses_what_the_modes_do_not_take(tmp_path: Path) -> None:
     from afm_core._cli import main
 
     assert main(["bench", "--real-model", "--rate", "5", "--out", str(tmp_path)]) == 2
     assert main(["bench", "--targets", "llamacpp", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--real-model", "--targets", "ours_lookup", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--real-model", "--speculation", "--out", str(tmp_path)]) == 2
 
 
-def test_real_model_mode_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) -> None:
-    """raw and afm serve on the random tiny model (llama.cpp skipped: no GGUF)."""
+def _run(args: list[str], out: Path) -> dict[str, Any]:
     from afm_core._cli import main
 
-    out = tmp_path / "real"
-    rc = main(["bench", "--real-model", "--model", str(random_model_dir), "--targets",
-               "raw,ours,llamacpp", "--rounds", "1", "--decode-tokens", "6",
-               "--decode-requests", "1", "--batch-requests", "8", "--batch-tokens", "4",
-               "--ttft-prompt-tokens", "64", "--ttft-requests", "1", "--time-budget", "240",
-               "--out", str(out)])
-    assert rc == 0
-    rep = json.loads((out / "report.json").read_text())
-    assert "llama.cpp" in rep["skipped"]
-    assert set(rep["targets"]) >= {"raw", "ours"}
-    for ph in rep["phases"]:
+    assert main(["bench", "--real-model", *args, "--out", str(out)]) == 0
+    rep: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return rep
+
+
+def test_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) -> None:
+    """raw and afm serve on the random tiny model, two interleaved rounds
+    (llama.cpp skipped: no GGUF); the layout, never the numbers."""
+    rep = _run(["--model", str(random_model_dir), "--targets", "ours,raw,llamacpp", "--rounds", "2",
+                "--decode-tokens", "6", "--decode-requests", "1", "--batch-requests", "8",
+                "--batch-tokens", "4", "--ttft-lengths", "300,100000", "--ttft-requests", "1",
+                "--time-budget", "600"], tmp_path / "real")
+    assert len(rep["models"]) == 1
+    m = rep["models"][0]
+    assert "no GGUF file" in m["skipped"]["llama.cpp"]
+    assert m["targets"] == ["ours", "raw"]
+    names = [ph["name"] for ph in m["phases"]]
+    assert names == ["decode", "batch", "ttft_300", "ttft_100000"]
+    for ph in m["phases"]:
         for t in ("raw", "ours"):
             assert ph["by_target"][t]["ok"] == ph["by_target"][t]["requests"] > 0
-    ttft = next(p for p in rep["phases"] if p["name"] == "ttft")
-    assert ttft["prompt_tokens_mean"] == pytest.approx(64, abs=8)
-    assert rep["servers"]["ours"]["peak_rss_bytes"] > 0
-    assert rep["servers"]["ours"]["blas"]["name"]
-    assert (out / "report.png").is_file()
+    by_name = {ph["name"]: ph for ph in m["phases"]}
+    # prompts fitted with the model's tokenizer, the long one capped to its context
+    assert 280 <= by_name["ttft_300"]["prompt_tokens_mean"] <= 300
+    cap = m["model"]["context"] - 8 - 16
+    assert cap - 40 <= by_name["ttft_100000"]["prompt_tokens_mean"] <= cap
+    # a prompt of its own for every round and the warm-up
+    assert len(set(by_name["ttft_300"]["prompt_digests"])) == 3
+    # the served target saw the very prompts counted
+    assert by_name["ttft_300"]["by_target"]["ours"]["prompt_tokens_mean"] == pytest.approx(
+        by_name["ttft_300"]["prompt_tokens_mean"], abs=1)
+    # interleaved: every phase on every target in round 1, the order reversed in round 2
+    seq = [tuple(s) for s in m["sequence"]]
+    assert seq[:2] == [(0, "decode", "ours"), (0, "decode", "raw")]
+    assert (1, "decode", "raw") in seq and seq.index((1, "decode", "raw")) < seq.index((1, "decode", "ours"))
+    assert len(seq) == 2 * 4 * 2
+    for t in ("ours", "raw"):
+        assert m["servers"][t]["peak_rss_bytes"] > 0 and m["headline"][t]["peak_rss_mib"] > 0
+        assert m["servers"][t]["blas"]["name"]
+    assert "ISA / BLAS / threads" in (tmp_path / "real" / "report.txt").read_text()
+    assert (tmp_path / "real" / "report.png").is_file()
+
+
+def test_a_model_that_cannot_be_found_is_reported(tmp_path: Path) -> None:
+    from afm_core._cli import main
+
+    out = tmp_path / "missing"
+    rc = main(["bench", "--real-model", "--models", str(tmp_path / "nope.gguf"), "--out", str(out)])
+    assert rc == 1  # nothing ran
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["models"] == [] and "neither a model name" in rep["missing"][str(tmp_path / "nope.gguf")]
