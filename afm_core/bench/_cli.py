@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from ._report import format_table, write_report
-    from ._run import DEFAULT_TARGETS, BenchConfig, run_bench
+    from ._run import ALL_TARGETS, DEFAULT_TARGETS, BenchConfig, run_bench
 
     if args.real_model or args.speculation:
         from ._real_cli import run_real_mode
@@ -168,8 +168,6 @@ def run(args: argparse.Namespace) -> int:
         return run_real_mode(args)
     if args.targets is None:
         args.targets = DEFAULT_TARGETS
-    from ._run import ALL_TARGETS
-
     if any(t not in ALL_TARGETS for t in args.targets):
         print("afm bench: the llamacpp, ours_avx2 and speculation targets run in --real-model or "
               "--speculation mode only", file=sys.stderr)
