@@ -285,6 +285,9 @@ def run_meta(out_dir: str) -> dict[str, Any]:
             meta["versions"][pkg] = version(pkg)
         except PackageNotFoundError:
             meta["versions"][pkg] = None
+    # every target inherits these (a machine-wide OPENBLAS_CORETYPE changes afm's BLAS too)
+    meta["env"] = {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith(("AFM_", "OPENBLAS_", "OMP_", "GOMP_", "GGML_", "LLAMA_"))}
     return meta
 
 

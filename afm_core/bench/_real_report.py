@@ -271,7 +271,9 @@ def format_real_table(report: dict[str, Any]) -> str:
     rounds = (report.get("config") or {}).get("rounds") or 1
     lines.append(f"machine: {meta.get('cpu_count')} cpus; load average "
                  f"{_fmt((meta.get('loadavg_start') or [None])[0], '.2f')} at start, "
-                 f"{_fmt((meta.get('loadavg_end') or [None])[0], '.2f')} at end")
+                 f"{_fmt((meta.get('loadavg_end') or [None])[0], '.2f')} at end"
+                 + (f"; environment {' '.join(f'{k}={v}' for k, v in meta['env'].items())}"
+                    if meta.get("env") else ""))
     lines.append(f"Nx: against {report.get('baseline', LLAMACPP)} in the same run, above 1 = better "
                  "(tokens/s: this/llama.cpp; TTFT: llama.cpp/this); peak RSS: this/llama.cpp "
                  "(VmHWM; raw's is the benchmark process)"

@@ -147,7 +147,8 @@ def test_table_and_files(tmp_path: Path) -> None:
     model = _report(skipped={"ours-avx2": "this CPU's best kernels are avx2 already"})
     rep = {"mode": "real-model", "baseline": "llama.cpp", "models": [model],
            "missing": {"gemma-3-270m": "not found in /nowhere"},
-           "meta": {"cpu_count": 2, "loadavg_start": [1.0], "loadavg_end": [2.0]},
+           "meta": {"cpu_count": 2, "loadavg_start": [1.0], "loadavg_end": [2.0],
+                    "env": {"OPENBLAS_CORETYPE": "Haswell"}},
            "config": {"rounds": 2}}
     table = format_real_table(rep)
     assert "== tiny-gguf: tiny.gguf, llama, context 8192" in table
@@ -155,7 +156,7 @@ def test_table_and_files(tmp_path: Path) -> None:
     assert "avx512-vnni / openblas 2t / 2" in table and "avx2 / ggml / 2" in table
     assert "skipped ours-avx2: this CPU's best kernels are avx2 already" in table
     assert "model gemma-3-270m not run: not found in /nowhere" in table
-    assert "paired ratios" in table
+    assert "paired ratios" in table and "environment OPENBLAS_CORETYPE=Haswell" in table
     paths = write_real_report(rep, tmp_path)
     assert [p.name for p in paths] == ["report.json", "report.txt", "report.png"]
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -278,7 +279,7 @@ def test_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) ->
                 "--decode-tokens", "6", "--decode-requests", "1", "--batch-requests", "8",
                 "--batch-tokens", "4", "--ttft-lengths", "300,100000", "--ttft-requests", "1",
                 "--time-budget", "600"], tmp_path / "real")
-    assert len(rep["models"]) == 1
+    assert len(rep["models"]) == 1 and isinstance(rep["meta"]["env"], dict)
     m = rep["models"][0]
     assert "no GGUF file" in m["skipped"]["llama.cpp"]
     assert m["targets"] == ["ours", "raw"]
