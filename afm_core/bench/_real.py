@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -89,6 +90,45 @@ def _log(msg: str) -> None:
     print(f"[afm bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+class Stopper:
+    """Ends a run early and keeps what ran: at its deadline (the time budget,
+    ``trio.current_time``'s clock) or on SIGINT/SIGTERM (a second SIGINT
+    interrupts at once).  ``scope()`` is the cancel scope of one model's part."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.reason: str | None = None
+        self._scope: trio.CancelScope | None = None
+
+    def scope(self) -> trio.CancelScope:
+        self._scope = trio.CancelScope(deadline=self.deadline)
+        if self.reason is not None:
+            self._scope.cancel()
+        return self._scope
+
+    def stop(self, reason: str) -> None:
+        self.reason = reason
+        if self._scope is not None:
+            self._scope.cancel()
+
+    @property
+    def over(self) -> bool:
+        return self.reason is not None or trio.current_time() >= self.deadline
+
+    async def watch_signals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+        except RuntimeError:  # not the main thread: no signals to watch
+            task_status.started()
+            return
+        with receiver as signals:
+            task_status.started()
+            async for sig in signals:
+                self.stop(f"stopped by {signal.Signals(sig).name}")
+                _log(f"{self.reason}: stopping the servers and writing the report of what ran")
+                return
+
+
 def rough_speeds(spec: ModelSpec) -> tuple[float, float]:
     """(decode tok/s, prefill tok/s) to expect on a 2-core machine, from the
     bytes a forward pass reads (for the duration estimate only)."""
@@ -110,12 +150,13 @@ def expected_seconds(cfg: RealConfig, spec: ModelSpec, plans: list[Any], n_targe
 
 
 def _timeouts(cfg: RealConfig, spec: ModelSpec, phase: Phase) -> tuple[float, float]:
-    """(request, level) time limits: generous bounds (a fifth of the rough
-    speeds), only there so that a stuck target cannot hang the run."""
+    """(request, level) time limits: generous bounds (a sixtieth of the
+    rough speeds: a 2-core machine under a load of 10 ran 10-50 times slower),
+    only there so that a stuck target cannot hang the run."""
     dec, pre = rough_speeds(spec)
     p = phase.plan
     prompt = max(phase.prompt_tokens or [60])
-    request = cfg.request_timeout or max(300.0, 5 * (prompt / pre + p.max_tokens / dec))
+    request = cfg.request_timeout or max(600.0, 60 * (prompt / pre + p.max_tokens / dec))
     waves = math.ceil(p.requests / p.concurrency)
     return request, request * waves + 60.0
 
@@ -172,9 +213,9 @@ async def _make_phases(cfg: RealConfig, spec: ModelSpec, plans: list[Any],
     return phases, source
 
 
-async def run_model(cfg: RealConfig, spec: ModelSpec, log_dir: Path, deadline: float) -> dict[str, Any]:
-    """One model's part of the run (stopped at ``deadline``, ``trio.current_time``'s
-    clock, keeping what ran): its report section."""
+async def run_model(cfg: RealConfig, spec: ModelSpec, log_dir: Path, stopper: Stopper) -> dict[str, Any]:
+    """One model's part of the run (``stopper`` may end it early, keeping
+    what ran): its report section."""
     from afm_core._mlx.blas import physical_cores
 
     plans = plan_phases(cfg, spec.context)
@@ -201,12 +242,12 @@ async def run_model(cfg: RealConfig, spec: ModelSpec, log_dir: Path, deadline: f
         opened = await _open_all(cfg, spec, ctx, keys, stack, skipped)
         for o in opened:
             servers[o.name] = dict(o.info)
-        with trio.move_on_at(deadline) as scope:
+        with stopper.scope() as scope:
             if opened:
                 phases, source = await _make_phases(cfg, spec, plans, opened)
                 await _rounds(cfg, spec, opened, phases, runs, servers, sequence)
         if scope.cancelled_caught:
-            skipped["time_budget"] = "the run's time budget ran out during this model"
+            skipped["stopped"] = stopper.reason or "the run's time budget ran out during this model"
         if opened:
             _sample_rss(opened, servers)
             for o in opened:
@@ -303,14 +344,17 @@ async def run_real(cfg: RealConfig) -> dict[str, Any]:
     budget = cfg.time_budget or max(2400.0, 4 * sum(
         expected_seconds(cfg, s, plan_phases(cfg, s.context), len(cfg.targets)) for s in specs))
     t0 = time.perf_counter()
-    deadline = trio.current_time() + budget
+    stopper = Stopper(trio.current_time() + budget)
     models: list[dict[str, Any]] = []
     log_dir = Path(cfg.out_dir) / "logs"
-    for spec in specs:
-        if trio.current_time() >= deadline:
-            missing[spec.name] = f"the time budget of {budget:g} s ran out before it"
-            continue
-        models.append(await run_model(cfg, spec, log_dir, deadline))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stopper.watch_signals)
+        for spec in specs:
+            if stopper.over:
+                missing[spec.name] = stopper.reason or f"the time budget of {budget:g} s ran out before it"
+                continue
+            models.append(await run_model(cfg, spec, log_dir, stopper))
+        nursery.cancel_scope.cancel()
     meta["elapsed_s"] = time.perf_counter() - t0
     meta["time_budget_s"] = budget
     meta["loadavg_end"] = list(os.getloadavg())

@@ -52,6 +52,7 @@ import trio
 from . import _spec_prompts
 from ._errors import ServerStartError
 from ._llamacpp import LLAMACPP
+from ._real import Stopper, run_meta
 from ._real_models import ModelSpec, resolve_specs
 from ._real_report import decode_rates
 from ._real_targets import Opened, TargetContext, open_target, probe_info, unavailable
@@ -199,7 +200,6 @@ async def run_speculation(cfg: SpecConfig) -> dict[str, Any]:
     """Run the speculation comparison and return its report dict."""
     from afm_core._mlx.blas import physical_cores
 
-    from ._real import run_meta
     from ._spec_report import build_spec_report
 
     model, draft = await trio.to_thread.run_sync(
@@ -217,9 +217,33 @@ async def run_speculation(cfg: SpecConfig) -> dict[str, Any]:
     servers: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
     meta = run_meta(cfg.out_dir)
-    with trio.move_on_after(cfg.time_budget) as budget:
-        async with AsyncExitStack() as stack:
-            opened: list[Opened] = []
+    stopper = Stopper(trio.current_time() + cfg.time_budget)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stopper.watch_signals)
+        await _run_targets(cfg, model, ctx, plans, workloads, stopper, runs, counters, servers,
+                           skipped, threads)
+        nursery.cancel_scope.cancel()
+    meta["elapsed_s"] = time.perf_counter() - t0
+    report = build_spec_report(runs, counters, model=model.describe(), draft=draft.describe(),
+                               servers=servers, skipped=skipped, meta=meta, config=asdict(cfg),
+                               workloads={k: w.describe() for k, w in workloads.items()})
+    json.dumps(report, default=str)
+    return report
+
+
+async def _run_targets(cfg: SpecConfig, model: ModelSpec, ctx: TargetContext,
+                       plans: list[tuple[str, str, tuple[str, ...]]], workloads: dict[str, Workload],
+                       stopper: Stopper, runs: list[RunResult],
+                       counters: dict[tuple[str, str, int], dict[str, float]],
+                       servers: dict[str, dict[str, Any]], skipped: dict[str, str],
+                       threads: int) -> None:
+    """Start every target, run the rounds (until ``stopper`` ends them), then
+    read each target's RSS and what it computed with."""
+    from ._servers import peak_rss_bytes
+
+    async with AsyncExitStack() as stack:
+        opened: list[Opened] = []
+        with stopper.scope() as scope:
             for base, name, extra in plans:
                 try:
                     opened.append(await open_target(base, model, ctx, stack, name=name, extra=extra,
@@ -230,20 +254,12 @@ async def run_speculation(cfg: SpecConfig) -> dict[str, Any]:
             for o in opened:
                 servers[o.name] = dict(o.info)
             await _spec_rounds(cfg, opened, workloads, runs, counters)
-            for o in opened:
-                from ._servers import peak_rss_bytes
-
-                rss = peak_rss_bytes(o.pid)
-                servers[o.name].update(await probe_info(o, threads))
-                servers[o.name]["peak_rss_bytes"] = rss["peak"] if rss else None
-    if budget.cancelled_caught:
-        skipped["time_budget"] = f"the time budget of {cfg.time_budget:g} s ran out"
-    meta["elapsed_s"] = time.perf_counter() - t0
-    report = build_spec_report(runs, counters, model=model.describe(), draft=draft.describe(),
-                               servers=servers, skipped=skipped, meta=meta, config=asdict(cfg),
-                               workloads={k: w.describe() for k, w in workloads.items()})
-    json.dumps(report, default=str)
-    return report
+        if scope.cancelled_caught:
+            skipped["stopped"] = stopper.reason or f"the time budget of {cfg.time_budget:g} s ran out"
+        for o in opened:
+            rss = peak_rss_bytes(o.pid)
+            servers.setdefault(o.name, {}).update(await probe_info(o, threads))
+            servers[o.name]["peak_rss_bytes"] = rss["peak"] if rss else None
 
 
 async def _spec_rounds(cfg: SpecConfig, opened: list[Opened], workloads: dict[str, Workload],

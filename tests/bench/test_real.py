@@ -318,3 +318,48 @@ def test_a_model_that_cannot_be_found_is_reported(tmp_path: Path) -> None:
     assert rc == 1  # nothing ran
     rep = json.loads((out / "report.json").read_text())
     assert rep["models"] == [] and "neither a model name" in rep["missing"][str(tmp_path / "nope.gguf")]
+
+
+def test_sigterm_stops_the_servers_and_keeps_what_ran(random_model_dir: Path, tmp_path: Path) -> None:
+    """A run stopped by SIGTERM (a batch job's end) writes the report of the
+    levels that ran and stops the servers it started."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afm_core._cli", "bench", "--real-model", "--model", str(random_model_dir),
+         "--targets", "ours", "--rounds", "200", "--decode-tokens", "4", "--decode-requests", "1",
+         "--batch-requests", "8", "--batch-tokens", "2", "--ttft-lengths", "200", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # until the first level has run
+            if "round 1/200 decode ours" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    m = json.loads((out / "report.json").read_text())["models"][0]
+    assert m["skipped"]["stopped"] == "stopped by SIGTERM"
+    assert m["sequence"] and m["sequence"][0] == [0, "decode", "ours"]
+    assert m["phases"][0]["by_target"]["ours"]["ok"] >= 1
+    pid = m["servers"]["ours"]["pid"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # gone, or a zombie its dead parent left to init
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("afm serve outlived the stopped run")
