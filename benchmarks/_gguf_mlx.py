@@ -11,7 +11,7 @@ cached under ``$AFM_HOME/bench-models/`` (``~/.cache/afm``), keyed by the
 file's name, size and the settings.  No tokenizer is written: the benchmarks
 feed token ids (llama.cpp's tokenization of their text).
 
-    .venv/bin/python benchmarks/_gguf_mlx.py /work/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --bits 4 --group 32 --scales float16
+    .venv/bin/python benchmarks/_gguf_mlx.py ~/.cache/afm/downloads/real/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --bits 4 --group 32 --scales float16
 """
 
 from __future__ import annotations

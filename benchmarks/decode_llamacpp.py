@@ -1,7 +1,7 @@
 """Decode speed of afm's quantized kernels against llama.cpp on the same GGUF.
 
     .venv/bin/python benchmarks/decode_llamacpp.py \\
-        [--gguf /work/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ...] \\
+        [--gguf ~/.cache/afm/downloads/real/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ...] \\
         [--isa default,avx2] [--act-bits 16] [--streams 1,8] [--tokens 128] [--rounds 4]
 
 For each GGUF (default: the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files of issue
@@ -50,9 +50,10 @@ from _gguf_mlx import build
 from _llamacpp_peer import Peer, llama_server
 
 from afm_core._mlx import qmatmul as _qmatmul
+from afm_core.testing._real_gguf import real_gguf_path
 
-GGUFS = ["/work/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-         "/work/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
+GGUFS = [str(real_gguf_path("qwen2.5-coder-0.5b")), str(real_gguf_path("qwen2.5-coder-1.5b"))]
+"""The real GGUFs where ``afm testing fetch-real NAME`` keeps them."""
 QUESTIONS = [
     "Write a Python function that parses a CSV file and returns the rows as dictionaries.",
     "Explain the difference between a process and a thread, with an example in C.",

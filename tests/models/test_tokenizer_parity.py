@@ -9,7 +9,7 @@ through ``transformers.AutoTokenizer`` as mlx-lm loads it.
 
 Opt-in (``AFM_LLAMACPP_TESTS=1``, with ``xllamacpp`` installed): the same
 against llama.cpp live, on tiny GGUF files written here and on the real GGUF
-files of ``AFM_REAL_GGUF_DIR`` (default ``/work/gguf``) over the whole corpus.
+files of ``AFM_REAL_GGUF_DIR`` (default: the real-GGUF fetcher's cache, ``$AFM_HOME/downloads/real``) over the whole corpus.
 """
 
 from __future__ import annotations
@@ -104,11 +104,9 @@ def test_live_tiny_vocabulary(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(ref.REAL_FILES))
 def test_live_real_gguf(name: str) -> None:
     pytest.importorskip("xllamacpp")
-    path = Path(os.environ.get("AFM_REAL_GGUF_DIR", "/work/gguf")) / ref.REAL_FILES[name]
+    path = Path(os.environ.get("AFM_REAL_GGUF_DIR") or ref.fetched_dir()) / ref.REAL_FILES[name]
     if not path.exists():
-        path = Path.home() / ".cache" / "afm" / "downloads" / ref.REAL_FILES[name]
-    if not path.exists():
-        pytest.skip(f"{ref.REAL_FILES[name]} not found")
+        pytest.skip(f"{ref.REAL_FILES[name]} not found: afm testing fetch-real fetches it")
     texts = corpus()
     meta = dict(ref._read_metadata(path))
     bad = _mismatches(_tokenizer(meta), texts, ref.llamacpp_tokenize(path, texts))

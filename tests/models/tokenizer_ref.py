@@ -14,7 +14,7 @@
   those strings, in a few kilobytes.
 
 ``python -m tests.models.tokenizer_ref`` (with ``xllamacpp`` installed and
-the real GGUFs of ``AFM_REAL_GGUF_DIR``, default ``/work/gguf``) rewrites
+the real GGUFs of ``AFM_REAL_GGUF_DIR``, default the fetcher's cache ``$AFM_HOME/downloads/real``) rewrites
 the fixture's expected ids from llama.cpp and prints the parity counts.
 """
 
@@ -30,6 +30,13 @@ from typing import Any
 import numpy as np
 
 from .tokenizer_corpus import corpus
+
+
+def fetched_dir() -> Path:
+    """Where the real-GGUF fetcher (``afm testing fetch-real``) keeps the joined files."""
+    from afm_core._models.default_model import afm_home
+
+    return afm_home() / "downloads" / "real"
 
 DATA = Path(__file__).parent / "data" / "tokenizer_llamacpp.json"
 N_FIXTURE_STRINGS = 150  # the first strings of the corpus stored with expected ids
@@ -322,7 +329,7 @@ def main(argv: Sequence[str]) -> int:
     import os
     import tempfile
 
-    real_dir = Path(os.environ.get("AFM_REAL_GGUF_DIR", "/work/gguf"))
+    real_dir = Path(os.environ.get("AFM_REAL_GGUF_DIR") or fetched_dir())
     texts = fixture_texts()
     fixture = json.loads(DATA.read_text()) if DATA.exists() and "--retrain" not in argv else {}
     with tempfile.TemporaryDirectory() as tmp:
