@@ -193,6 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "step (decided before every step; 0: never; default: 1)")
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
+    engine.add_argument("--no-enforce-json-modes", action="store_true",
+                        help="generate json_object and non-strict json_schema unconstrained, only "
+                             "sanitizing the answer (default: enforced by the grammar, best-effort)")
     engine.add_argument("--no-warmup", action="store_true",
                         help="report ready without running the start-up warm-up requests "
                              "(the first request then pays one-time costs)")
@@ -292,6 +295,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                         default_max_tokens=args.default_max_tokens,
                         grammar=not args.no_grammar,
+                        enforce_json_modes=not args.no_enforce_json_modes,
                         warmup=not args.no_warmup,
                         cpu_fusion=not args.no_cpu_fusion,
                         embedding_pooling=args.embedding_pooling,

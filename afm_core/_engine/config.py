@@ -120,6 +120,13 @@ class EngineConfig:
     (``ChatStream.grammar_downgraded``, the ``X-Grammar-Constraints`` header).
     The mask of each constrained stream is computed on the generation thread
     at every step it decodes."""
+    enforce_json_modes: bool = True
+    """Enforce the non-strict JSON modes with the grammar too: ``response_format``
+    ``json_object`` (any JSON object) and a ``json_schema`` without ``strict:
+    true`` (its schema), best-effort: a schema llguidance cannot compile is
+    generated unconstrained (the content still sanitized) and marked downgraded
+    (``X-Grammar-Constraints``), where a strict one is a 400.  False keeps
+    those modes sanitize-only (unconstrained, not marked).  Needs ``grammar``."""
     template_threads: int = 2
     """Worker threads that render chat templates and tokenize prompts at the
     same time (a Trio ``CapacityLimiter``).  More let a burst of requests be

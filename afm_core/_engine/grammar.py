@@ -28,7 +28,10 @@ stream with a :class:`GrammarFailure` (``invalid_request_error``,
 What gets enforced (see ``_prepare.build_job``):
 
 * ``response_format`` ``json_schema`` with ``strict: true``: the content is
-  one JSON document of that schema;
+  one JSON document of that schema; with ``enforce_json_modes`` (the
+  default) also ``json_object`` (any JSON object) and a ``json_schema``
+  without ``strict``, best-effort (what cannot compile runs unconstrained,
+  marked downgraded, instead of the 400);
 * ``tool_choice`` ``required`` or a named function (Hermes format): the turn
   is one or more ``<tool_call>`` blocks whose JSON matches the tools;
 * ``tool_choice`` ``auto`` with at least one ``strict`` tool (Hermes

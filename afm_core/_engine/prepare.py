@@ -12,6 +12,7 @@ detokenizer and stop strings only (no reasoning, tool or structured stages).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
     from .._stream.detok import DecoderTables
 
+log = logging.getLogger("afm.grammar")
 
 def think_mode(prompt_text: str, request: ChatRequest, info: ModelInfo) -> ThinkMode:
     """``off``, ``optional`` or ``started``: where the output stands towards a
@@ -80,22 +82,44 @@ def _structured_stage(request: ChatRequest) -> Any:
 
 def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelInfo, config: EngineConfig,
                  prompt_len: int, mode: ThinkMode) -> tuple[g.GrammarProcessor | None, bool]:
-    """``(grammar processor or None, downgraded)`` for what ``request`` makes strict.
+    """``(grammar processor or None, downgraded)`` for what ``request`` asks to enforce.
 
     Enforced: a strict ``json_schema``; ``tool_choice`` ``required`` / named;
     ``auto`` with strict tools (free text or calls).  Tool grammars need the
     Hermes format with ``<tool_call>`` tokens; elsewhere they run best-effort.
     A grammar that cannot be enforced is the client's 400 (``GrammarError``).
+    With ``config.enforce_json_modes`` the non-strict JSON modes (``json_object``,
+    ``json_schema`` without ``strict``) are enforced too, best-effort: a schema
+    that does not compile is generated unconstrained and marked downgraded.
     """
+    loose = request.loose_schema if config.grammar and config.enforce_json_modes else None
+    if loose is not None:
+        try:
+            return _enforce(request, tokenizer, info, prompt_len, mode, loose, loose=True)
+        except g.GrammarError as exc:
+            log.info("response_format generated unconstrained: %s", exc)
+            grammar, _ = _enforce(request, tokenizer, info, prompt_len, mode, None, loose=False)
+            return grammar, True
+    if not config.grammar:
+        tools = request.tools or ()
+        choice = request.tool_choice
+        asked = bool(tools) and (isinstance(choice, dict) or choice == "required"
+                                 or (choice == "auto" and any(t["function"].get("strict") for t in tools)))
+        return None, asked or request.strict_schema is not None
+    return _enforce(request, tokenizer, info, prompt_len, mode, request.strict_schema, loose=False)
+
+
+def _enforce(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelInfo, prompt_len: int,
+             mode: ThinkMode, schema: dict[str, Any] | None, *,
+             loose: bool) -> tuple[g.GrammarProcessor | None, bool]:
+    """:func:`_constraints` with the grammar on, ``schema`` the content's (``loose``:
+    a non-strict mode's, which forced tool calls leave aside without a mark)."""
     tools = request.tools or ()
     choice = request.tool_choice
     forced = bool(tools) and (isinstance(choice, dict) or choice == "required")
     strict_tools = choice == "auto" and any(t["function"].get("strict") for t in tools)
-    schema = request.strict_schema
     if not (forced or strict_tools or schema is not None):
         return None, False
-    if not config.grammar:
-        return None, True
     calls: tuple[dict[str, Any], ...] = ()
     downgraded = False
     if forced or strict_tools:
@@ -109,7 +133,8 @@ def _constraints(request: ChatRequest, tokenizer: TokenizerWrapper, info: ModelI
                 return None, True
     if forced:
         content: Any = None
-        downgraded = downgraded or schema is not None  # the call must come: no JSON answer
+        # the call must come: no JSON answer
+        downgraded = downgraded or (schema is not None and not loose)
     else:
         content = schema if schema is not None else "text"
     think_tags = info.think_tags or ("<think>", "</think>")

@@ -398,3 +398,15 @@ class ChatRequest:
         if rf and rf["type"] == "json_schema" and rf["json_schema"]["strict"]:
             return rf["json_schema"]["schema"]
         return None
+
+    @property
+    def loose_schema(self) -> dict[str, Any] | None:
+        """The schema a non-strict JSON mode asks for (enforced best-effort unless the
+        server keeps those modes sanitize-only): ``json_object``'s is any JSON object,
+        a ``json_schema`` without ``strict: true`` its own schema."""
+        rf = self.response_format
+        if rf and rf["type"] == "json_object":
+            return {"type": "object"}
+        if rf and rf["type"] == "json_schema" and not rf["json_schema"]["strict"]:
+            return rf["json_schema"]["schema"]
+        return None

@@ -188,7 +188,10 @@ def _think(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _format(body: dict[str, Any]) -> dict[str, Any]:
-    """``format`` as the chat body's ``response_format``: a schema is enforced by the grammar."""
+    """``format`` as the chat body's ``response_format``: ``"json"`` is ``json_object``, a
+    schema a non-strict ``json_schema``; both enforced by the grammar, best-effort (a schema
+    it cannot compile runs unconstrained, flagged downgraded; ``--no-enforce-json-modes``:
+    sanitize-only)."""
     v = body.get("format")
     if v is None or v == "":
         return {}
@@ -196,7 +199,7 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
         return {"response_format": {"type": "json_object"}}
     if isinstance(v, dict):
         return {"response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "format", "schema": v, "strict": True}}}
+                                    "json_schema": {"name": "format", "schema": v, "strict": False}}}
     raise _err(f"invalid format: {json.dumps(v)}; expected \"json\" or a valid JSON Schema object", "format")
 
 

@@ -39,8 +39,8 @@ an unknown id is OpenAI's 404 ``previous_response_not_found``.  Function
 arguments; omitted or null means false here, where OpenAI's server defaults
 to true); ``tool_choice`` is ``auto``, ``none``, ``required``, a named
 function, or ``allowed_tools`` (the tools are narrowed to that list).
-``text.format`` ``json_object`` / ``json_schema`` (``strict`` enforced by
-the engine's grammar) is the chat ``response_format``.  ``reasoning.effort``
+``text.format`` ``json_object`` / ``json_schema`` (enforced by the engine's
+grammar: strict, or best-effort without ``strict``) is the chat ``response_format``.  ``reasoning.effort``
 goes to the chat template (``none`` turns thinking off; ``xhigh`` and
 ``max`` are sent as ``high``); ``reasoning.summary`` is echoed, the summary
 is always the model's whole reasoning text.  ``include`` with

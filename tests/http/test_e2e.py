@@ -80,6 +80,13 @@ async def test_reasoning_and_json_fence(echo_model_dir: Path) -> None:
         _, events, _ = await sse(c, body("<think>step by step</think>Final.", stream=True))
         assert text_of(events, "reasoning_content") == "step by step"
         assert text_of(events) == "Final."
+        # enforced (the default): a JSON object that fits the grammar passes unchanged
+        r = await c.post(CHAT, json=body('{"ok":true}', response_format={"type": "json_object"}))
+        assert r.json()["choices"][0]["message"]["content"] == '{"ok":true}'
+        assert "x-grammar-constraints" not in r.headers
+    # sanitize-only (--no-enforce-json-modes): a fenced answer is unfenced
+    async with running_server(echo_model_dir, enforce_json_modes=False) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
         fenced = '```json\n{"ok": true}\n```'
         r = await c.post(CHAT, json=body(fenced, response_format={"type": "json_object"}))
         content = r.json()["choices"][0]["message"]["content"]

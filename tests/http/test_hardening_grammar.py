@@ -140,3 +140,27 @@ def test_generated_schemas_never_give_a_500(server: Server, schema: Any, route: 
     with httpx.Client(base_url=server.url, timeout=120) as c:
         status, kind = _outcome(c, route, schema, stream)
     assert status in (200, 400), (status, kind, json.dumps(schema)[:300])
+
+
+EXTERNAL_REF = {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}, "required": ["a"]}
+
+
+def test_loose_schema_that_cannot_compile_is_downgraded_not_refused(server: Server) -> None:
+    """Issue 30: a json_schema without strict is enforced best-effort; what llguidance
+    cannot compile runs unconstrained with ``X-Grammar-Constraints: downgraded`` (strict: 400)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for route in (_chat, _responses):
+            path, body = route(EXTERNAL_REF, False)
+            r = c.post(path, json=body)
+            assert r.status_code == 400, r.text
+            fmt = body["response_format"]["json_schema"] if "response_format" in body else body["text"]["format"]
+            del fmt["strict"]
+            r = c.post(path, json=body)
+            assert r.status_code == 200 and r.headers["x-grammar-constraints"] == "downgraded", r.text
+            body["stream"] = True
+            r = c.post(path, json=body)
+            assert r.status_code == 200 and r.headers["x-grammar-constraints"] == "downgraded", r.text
+            # a schema that compiles is enforced: nothing downgraded
+            fmt["schema"] = {"type": "object"}
+            r = c.post(path, json=body)
+            assert r.status_code == 200 and "x-grammar-constraints" not in r.headers

@@ -190,8 +190,9 @@ async def test_tool_calls_per_choice(echo_model_dir: Path) -> None:
 
 
 async def test_structured_output_per_choice(echo_model_dir: Path) -> None:
-    fenced = '```json\n{"ok": true}\n```'
-    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    fenced = '```json\n{"ok": true}\n```'  # unfenced by the sanitize-only path
+    async with running_server(echo_model_dir, enforce_json_modes=False) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c:
         r = await c.post(CHAT, json=body(fenced, response_format={"type": "json_object"}, n=2))
         assert [json.loads(ch["message"]["content"]) for ch in r.json()["choices"]] == [{"ok": True}] * 2
         _, events, _ = await sse(c, body(fenced, response_format={"type": "json_object"}, n=2, stream=True))

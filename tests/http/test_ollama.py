@@ -124,8 +124,11 @@ async def test_format_schema_is_enforced_and_json(echo_model_dir: Path) -> None:
         r = await c.chat(model="echo", messages=user('{"city": "Rome"}'), format=schema,
                          options={"num_predict": 40})
         assert json.loads(r.message.content)["city"] in ("Paris", "Oslo")  # "Rome" broke the schema
-        j = await c.generate(model="echo", prompt='```json\n{"a": 1}\n```', format="json")
-        assert json.loads(j.response) == {"a": 1}  # unfenced
+        j = await c.generate(model="echo", prompt='{"a":1}', format="json")
+        assert json.loads(j.response) == {"a": 1}
+        # "json" is enforced by the grammar, as Ollama does: prose cannot open the answer
+        j = await c.generate(model="echo", prompt="no json here", format="json", options={"num_predict": 30})
+        assert j.response.startswith("{") and "no json" not in j.response
 
 
 async def test_think_and_logprobs(echo_model_dir: Path) -> None:

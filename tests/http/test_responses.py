@@ -214,10 +214,13 @@ async def test_text_format_json_schema_and_json_object(echo_model_dir: Path) -> 
         assert Weather.model_validate_json(parsed.output_text) == parsed.output_parsed
         assert parsed.text is not None and parsed.text.format is not None
         assert parsed.text.format.type == "json_schema"
-        fenced = '```json\n{"ok": true}\n```'
-        obj = await client.responses.create(model="m", input=fenced,
+        # json_object is enforced too: the echo's prose cannot open, a JSON object comes
+        obj = await client.responses.create(model="m", input="not json at all", max_output_tokens=40,
                                             text={"format": {"type": "json_object"}})
-        assert json.loads(obj.output_text) == {"ok": True}
+        assert obj.output_text.startswith("{") and "not json" not in obj.output_text, obj.output_text
+        ok = await client.responses.create(model="m", input='{"ok":true}',
+                                           text={"format": {"type": "json_object"}})
+        assert json.loads(ok.output_text) == {"ok": True}
         await client.close()
 
 
