@@ -578,6 +578,31 @@ class Engine:
 
         return await self._side_call(run, cost=4 * len(ids))
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer as vLLM's ``GET /tokenizer_info`` describes it: its class,
+        its special tokens (``bos_token``, ``eos_token``, ``pad_token``,
+        ``unk_token``: text or None), the other plain settings it was loaded with
+        (``add_bos_token``, ``clean_up_tokenization_spaces`` ...; no file paths),
+        ``model_max_length`` (the context length served) and the chat template."""
+        from .._mlx.tokenizer import hf_tokenizer
+
+        hf = hf_tokenizer(self._running_tokenizer())
+        info = self._info()
+        out: dict[str, Any] = {}
+        for key, value in (getattr(hf, "init_kwargs", None) or {}).items():
+            if key.endswith(("_file", "_path")) or key in ("name_or_path", "chat_template"):
+                continue
+            if value is None or isinstance(value, (str, int, float, bool)):
+                out[key] = value
+            elif isinstance(getattr(value, "content", None), str):  # an AddedToken
+                out[key] = value.content
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = getattr(hf, key, None)
+            out[key] = value if isinstance(value, str) else None
+        out.update(tokenizer_class=type(hf).__name__, model_max_length=info.context_length,
+                   chat_template=info.chat_template)
+        return out
+
     async def token_pieces(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (a special token's spelling); raises
         :class:`RequestError` for an id outside the vocabulary.  A piece may

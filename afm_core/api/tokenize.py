@@ -9,7 +9,15 @@ chat template by :meth:`Engine.tokenize_chat`), and answers
 ``{"id", "piece"}``, the piece being the token's text, or its bytes as a
 list of numbers when they are not valid UTF-8 on their own.
 ``/detokenize`` takes ``{"tokens": [ids]}`` and answers
-``{"content": "text"}``.
+``{"content": "text", "prompt": "text"}`` (llama.cpp's key and vLLM's).
+
+vLLM's shapes are told apart by their keys: ``{"prompt": "text"}``
+(``add_special_tokens``, default true as vLLM has it) or a chat body
+``{"messages": [...]}`` is answered ``{"count", "max_model_len", "tokens"}``,
+with ``"return_token_strs": true`` also ``token_strs`` (each token's text);
+a ``messages`` body with ``with_pieces`` keeps llama.cpp's pieces instead.
+vLLM's ``GET /tokenizer_info`` is :meth:`Engine.tokenizer_info`.  lm-eval's
+``local-completions`` uses these three routes as its tokenizer.
 
 May import: :mod:`afm_core._stream`, :mod:`afm_core._errors`, the standard
 library.
@@ -24,45 +32,66 @@ from typing import Any
 from .._errors import RequestError
 from ._validate import flag, json_object
 
-__all__ = ["TokenizeCall", "parse_detokenize", "parse_tokenize", "tokens_result"]
+__all__ = ["TokenizeCall", "detokenize_result", "parse_detokenize", "parse_tokenize", "tokens_result"]
 
 
 @dataclass(frozen=True, slots=True)
 class TokenizeCall:
-    """A validated ``/tokenize`` body: ``content`` text, or ``chat`` (the body) to render."""
+    """A validated ``/tokenize`` body: ``content`` text, or ``chat`` (the body) to render;
+    ``vllm``: answer in vLLM's shape (``token_strs``: with each token's text)."""
 
     content: str | None
     chat: dict[str, Any] | None
     add_special: bool
     parse_special: bool
     with_pieces: bool
+    vllm: bool = False
+    token_strs: bool = False
 
 
 def parse_tokenize(body: Any) -> TokenizeCall:
     body = json_object(body)
     with_pieces = flag(body, "with_pieces", False)
-    has_content, has_messages = body.get("content") is not None, body.get("messages") is not None
-    if has_content == has_messages:
-        raise RequestError("give either 'content' (text) or 'messages' (a chat)", param="content")
-    if has_messages:
-        return TokenizeCall(None, body, False, True, with_pieces)
-    content = body["content"]
+    token_strs = flag(body, "return_token_strs", False)
+    given = [k for k in ("content", "prompt", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError("give one of 'content' or 'prompt' (text), or 'messages' (a chat)",
+                           param=given[1] if len(given) > 1 else "content")
+    (key,) = given
+    if key == "messages":
+        return TokenizeCall(None, body, False, True, with_pieces, vllm=not with_pieces, token_strs=token_strs)
+    content = body[key]
     if not isinstance(content, str):
-        raise RequestError("'content' must be a string", param="content")
+        raise RequestError(f"'{key}' must be a string", param=key)
     try:
         content.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError("'content' contains invalid unicode (a lone surrogate)",
-                           param="content") from None
+        raise RequestError(f"'{key}' contains invalid unicode (a lone surrogate)",
+                           param=key) from None
+    if key == "prompt":  # vLLM's
+        return TokenizeCall(content, None, flag(body, "add_special_tokens", True), True, False,
+                            vllm=True, token_strs=token_strs)
     return TokenizeCall(content, None, flag(body, "add_special", False),
                         flag(body, "parse_special", True), with_pieces)
 
 
-def tokens_result(ids: Sequence[int], pieces: Sequence[bytes] | None) -> dict[str, Any]:
-    """The ``/tokenize`` answer; ``pieces`` (each token's bytes) when asked for."""
+def tokens_result(ids: Sequence[int], pieces: Sequence[bytes] | None, *, call: TokenizeCall | None = None,
+                  max_model_len: int = 0) -> dict[str, Any]:
+    """The ``/tokenize`` answer; ``pieces`` (each token's bytes) when asked for
+    (llama.cpp's ``with_pieces``, vLLM's ``return_token_strs``)."""
+    if call is not None and call.vllm:
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids)}
+        if pieces is not None:
+            out["token_strs"] = [p.decode("utf-8", "replace") for p in pieces]
+        return out
     if pieces is None:
         return {"tokens": list(ids)}
     return {"tokens": [{"id": i, "piece": _piece(p)} for i, p in zip(ids, pieces, strict=True)]}
+
+
+def detokenize_result(text: str) -> dict[str, Any]:
+    """The ``/detokenize`` answer: llama.cpp reads ``content``, vLLM clients ``prompt``."""
+    return {"content": text, "prompt": text}
 
 
 def _piece(raw: bytes) -> str | list[int]:

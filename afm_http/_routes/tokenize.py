@@ -1,5 +1,6 @@
-"""``POST /tokenize`` and ``POST /detokenize``, as llama.cpp's server has them,
-and ``POST /v1/chat/completions/count_tokens``.
+"""``POST /tokenize`` and ``POST /detokenize``, as llama.cpp's and vLLM's servers
+have them (told apart by the body's keys), vLLM's ``GET /tokenizer_info``, and
+``POST /v1/chat/completions/count_tokens``.
 
 The bodies and answers are :mod:`afm_core.api.tokenize`'s; bad input is a 400
 with the OpenAI error envelope.  ``count_tokens`` takes a chat completion body
@@ -11,7 +12,7 @@ Anthropic's ``/v1/messages/count_tokens`` and OpenAI's
 
 from __future__ import annotations
 
-from quart import Response
+from quart import Response, request
 
 from afm_core.api import chat
 from afm_core.api import tokenize as api
@@ -27,6 +28,7 @@ __all__ = ["register"]
 def register(app: AFMQuart) -> None:
     app.post("/tokenize")(tokenize_text)
     app.post("/detokenize")(detokenize_tokens)
+    app.get("/tokenizer_info")(tokenizer_info)
     app.post("/v1/chat/completions/count_tokens")(count_chat_tokens)
 
 
@@ -40,15 +42,21 @@ async def tokenize_text() -> Response:
             assert call.content is not None
             ids = await engine.tokenize(call.content, add_special_tokens=call.add_special,
                                         parse_special=call.parse_special)
-        pieces = await engine.token_pieces(ids) if call.with_pieces else None
-    return json_response(api.tokens_result(ids, pieces))
+        pieces = await engine.token_pieces(ids) if call.with_pieces or call.token_strs else None
+        return json_response(api.tokens_result(ids, pieces, call=call, max_model_len=engine.context_length))
 
 
 async def detokenize_tokens() -> Response:
     body = await read_json()
     tokens = api.parse_detokenize(body)
     async with current_state().engine_for(model_choice(body)) as engine:
-        return json_response({"content": await engine.detokenize(tokens)})
+        return json_response(api.detokenize_result(await engine.detokenize(tokens)))
+
+
+async def tokenizer_info() -> Response:
+    """vLLM's tokenizer description (``?model=`` picks the model); lm-eval probes it."""
+    async with current_state().engine_for(model_choice({"model": request.args.get("model")})) as engine:
+        return json_response(engine.tokenizer_info())
 
 
 async def count_chat_tokens() -> Response:

@@ -1,4 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (llama.cpp's shapes) against a real server."""
+"""``POST /tokenize`` and ``POST /detokenize`` (llama.cpp's and vLLM's shapes) and
+``GET /tokenizer_info`` (vLLM's) against a real server."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ async def test_round_trips_equal_the_tokenizer(echo_model_dir: Path) -> None:
             assert r.json() == {"tokens": ids}
             assert tok.decode(ids) == text
             r = await c.post("/detokenize", json={"tokens": ids})
-            assert r.status_code == 200 and r.json() == {"content": text}
+            assert r.status_code == 200 and r.json() == {"content": text, "prompt": text}
         # special spellings are tokens unless parse_special is false
         special = tok.convert_tokens_to_ids("<|im_start|>")
         ids = (await c.post("/tokenize", json={"content": "<|im_start|>"})).json()["tokens"]
@@ -58,6 +59,8 @@ async def test_messages_count_what_a_chat_request_prompts(echo_model_dir: Path) 
         assert r.status_code == 200
         ids = r.json()["tokens"]
         assert ids == await engine.tokenize_chat(chat)
+        # vLLM's answer to a chat body (llama.cpp's clients read "tokens" alike)
+        assert r.json() == {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
         usage = (await c.post("/v1/chat/completions", json=chat)).json()["usage"]
         assert usage["prompt_tokens"] == len(ids)
         r = await c.post("/tokenize", json={**chat, "with_pieces": True})
@@ -94,7 +97,11 @@ async def test_the_openai_sdk_counts_response_input_tokens(echo_model_dir: Path)
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/tokenize", [], "body"),
     ("/tokenize", {}, "content"),
-    ("/tokenize", {"content": "x", "messages": [{"role": "user", "content": "x"}]}, "content"),
+    ("/tokenize", {"content": "x", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ("/tokenize", {"content": "x", "prompt": "x"}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": 1}, "return_token_strs"),
     ("/tokenize", {"content": 5}, "content"),
     ("/tokenize", {"content": ["a"]}, "content"),
     ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
@@ -125,4 +132,55 @@ async def test_the_api_key_applies(echo_model_dir: Path) -> None:
             httpx.AsyncClient(base_url=url) as c:
         assert (await c.post("/tokenize", json={"content": "x"})).status_code == 401
         r = await c.post("/detokenize", json={"tokens": []}, headers={"Authorization": "Bearer k"})
-        assert r.status_code == 200 and r.json() == {"content": ""}
+        assert r.status_code == 200 and r.json() == {"content": "", "prompt": ""}
+        assert (await c.get("/tokenizer_info")).status_code == 401
+
+
+async def test_vllm_shapes(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        tok = engine._tokenizer
+        text = "Hello, wörld <|im_end|>"
+        r = await c.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        ids = tok.encode(text, add_special_tokens=False)
+        assert r.status_code == 200
+        assert r.json() == {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+        # vLLM's default adds what the tokenizer adds around a text
+        r = await c.post("/tokenize", json={"prompt": "hi"})
+        assert r.json()["tokens"] == tok.encode("hi", add_special_tokens=True)
+        r = await c.post("/tokenize", json={"prompt": "wörld", "return_token_strs": True})
+        strs = r.json()["token_strs"]
+        assert len(strs) == r.json()["count"] and all(isinstance(t, str) for t in strs)
+        chat = {"messages": [{"role": "user", "content": "count me"}], "return_token_strs": True}
+        r = (await c.post("/tokenize", json=chat)).json()
+        assert r["tokens"] == await engine.tokenize_chat(chat) and len(r["token_strs"]) == r["count"]
+        r = await c.post("/detokenize", json={"tokens": ids})
+        assert r.json()["prompt"] == text
+
+
+async def test_tokenizer_info_as_lm_eval_reads_it(echo_model_dir: Path) -> None:
+    """What lm-eval 0.4.13's ``RemoteTokenizer`` (``local-completions``' default
+    tokenizer) does: ``GET /tokenizer_info`` must have ``eos_token``; ``/tokenize``
+    ``{"prompt", "add_special_tokens": false}`` gives ``tokens``; ``/detokenize``
+    gives ``prompt``; the eos id is the tokenization of ``eos_token``; the chat
+    template renders with jinja2."""
+    import jinja2
+
+    async with running_server(echo_model_dir) as (url, engine), httpx.AsyncClient(base_url=url) as c:
+        r = await c.get("/tokenizer_info")
+        assert r.status_code == 200
+        info = r.json()
+        hf = engine._tokenizer._tokenizer
+        assert info["tokenizer_class"] == type(hf).__name__
+        assert info["eos_token"] == hf.eos_token and info["model_max_length"] == engine.context_length
+        assert {"bos_token", "pad_token", "unk_token"} <= set(info)
+        assert not any(k.endswith("_file") or k == "name_or_path" for k in info)  # no server paths
+        eos_ids = (await c.post("/tokenize", json={"prompt": info["eos_token"],
+                                                   "add_special_tokens": False})).json()["tokens"]
+        assert eos_ids[0] in engine._tokenizer.eos_token_ids
+        ids = (await c.post("/tokenize", json={"prompt": "test", "add_special_tokens": False})).json()["tokens"]
+        assert (await c.post("/detokenize", json={"tokens": ids})).json()["prompt"] == "test"
+        rendered = jinja2.Environment().from_string(info["chat_template"]).render(
+            messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        assert "hi" in rendered
+        # one --model: any name is served by it, as on the other routes
+        assert (await c.get("/tokenizer_info", params={"model": "other"})).json() == info
