@@ -189,3 +189,14 @@ def test_speculation_flags_reach_the_engine_config() -> None:
     config = _engine_config(parser.parse_args(["--prompt-lookup", "3", "--draft-model", "d", "--draft-tokens", "2",
                                                "--spec-max-batch", "2"]))
     assert (config.prompt_lookup, config.draft_model, config.draft_tokens, config.spec_max_batch) == (3, "d", 2, 2)
+
+
+def test_json_mode_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from afm_http._serve_cli import _engine_config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert _engine_config(parser.parse_args([])).enforce_json_modes
+    assert not _engine_config(parser.parse_args(["--no-enforce-json-modes"])).enforce_json_modes
