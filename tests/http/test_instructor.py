@@ -6,8 +6,9 @@ the prompt), JSON_SCHEMA mode a ``json_schema`` without ``strict``, TOOLS
 mode a named ``tool_choice``.  The random model's own output is never JSON:
 the grammar makes each mode's answer parse and validate; with
 ``--no-enforce-json-modes`` JSON_SCHEMA mode fails as it did before.
-instructor is optional (its pins conflict with the ``openai`` this project
-tests against; install it with ``--no-deps`` beside it): skipped when absent.
+instructor's pins (jiter<0.15, rich<15) conflict with the ``openai`` this
+project tests against, so ``make install`` puts it in with ``--no-deps``
+(its code runs on both); skipped where it is absent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pydantic import BaseModel, ConfigDict
 
 from afm_http.testing import running_server
 
-instructor = pytest.importorskip("instructor", reason="instructor is not installed (pip install instructor==1.17.0)")
+instructor = pytest.importorskip("instructor", reason="instructor is not installed (make install puts it in: "
+                                  "pip install --no-deps instructor==1.17.0)")
 
 CLIENT_VERSION = "1.17.0"
 
