@@ -110,7 +110,8 @@ def qmm_extensions() -> list:
         Extension(
             "afm_core._mlx.qmm_ext",
             [str(src / "qmm_kernels.cpp"), str(src / "attention_kernels.cpp"),
-             str(src / "layer_ops.cpp"), str(src / "quantized_attention.cpp"), str(src / "qmm_ext.cpp"),
+             str(src / "layer_ops.cpp"), str(src / "quantized_attention.cpp"),
+             str(src / "prefill_attention.cpp"), str(src / "qmm_ext.cpp"),
              str(src / "nb_lib.cpp")],
             language="c++",
             include_dirs=[str(nb_dir / "include"), str(nb_dir / "ext" / "robin_map" / "include"),

@@ -40,6 +40,21 @@ than float KV.  For one query position with float32 queries and scales,
 ``qmm_ext.quantized_decode_attention`` (``ext/qmm/quantized_attention.cpp``)
 computes it as one primitive reading the packed rows in place, masks as
 mlx-lm applies them (``tests/mlx/test_quantized_attention.py``).
+
+Prompts (more than ``MAX_QUERY_POSITIONS`` query positions) take
+``qmm_ext.prefill_attention`` (``ext/qmm/prefill_attention.cpp``) instead of
+MLX's reference graph, which materialises the whole (L x S) score matrix of
+every head (at a 2048-token chunk on 4096 keys, 300 MB per layer, several
+times over) and computes the half a causal mask hides.  The kernel is
+flash-attention style: tiles of keys are unpacked once for the query heads
+sharing them, their scores folded into the output with an online softmax,
+and tiles the mask hides entirely skipped; float32 or float16 keys and
+values, or a quantized cache's (data, scales, biases) triples; ``"causal"``,
+boolean and additive masks (sliding windows arrive as boolean masks), every
+head split over the kernels' thread pool; the instruction set follows the
+quantized products' (``AFM_QMM_ISA``, ``qmm_ext.set_isa``: portable, AVX2,
+AVX-512).  ``AFM_NO_PREFILL_ATTENTION=1`` keeps MLX's graph for prompts.
+``tests/mlx/test_prefill_attention.py`` compares it with mlx-lm's attention.
 """
 
 from __future__ import annotations
@@ -64,6 +79,7 @@ MAX_QUERY_POSITIONS = 16
 decode step, or a verify step of up to 15 guesses."""
 
 NO_DECODE_ATTENTION_ENV = "AFM_NO_DECODE_ATTENTION"
+NO_PREFILL_ATTENTION_ENV = "AFM_NO_PREFILL_ATTENTION"
 _NAME = "scaled_dot_product_attention"
 _original = _base.scaled_dot_product_attention
 _lock = threading.Lock()
@@ -106,12 +122,59 @@ def _applies_quantized(queries: mx.array, keys: Any, values: Any, cache: Any,
             and (not grouped or mask.ndim <= 2 or (mask.ndim == 4 and mask.shape[1] == 1)))
 
 
+class _PrefillAttention(Protocol):
+    """``qmm_ext.prefill_attention`` (typed here, beside its one caller)."""
+
+    def prefill_attention(self, q: mx.array, keys: list[mx.array], values: list[mx.array],
+                          scale: float, mask: mx.array | None = None, causal: bool = False,
+                          window: int = 0, group_size: int = 64, bits: int = 0) -> mx.array: ...
+    def prefill_attention_path(self, head_dim: int = 64) -> str: ...
+
+
+def _prefill_enabled() -> bool:
+    return os.environ.get(NO_PREFILL_ATTENTION_ENV, "") in ("", "0")
+
+
+def _applies_prefill(queries: mx.array, keys: Any, values: Any, cache: Any,
+                     mask: Any, sinks: Any) -> bool:
+    if not (queries.ndim == 4 and queries.shape[2] > MAX_QUERY_POSITIONS and sinks is None
+            and queries.dtype == mx.float32 and mx.default_device() == mx.cpu):
+        return False
+    if mask is not None and not (isinstance(mask, str) and mask == "causal") and not (
+            isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32) and mask.ndim <= 4):
+        return False
+    if hasattr(cache, "bits"):
+        if not (cache.bits in (4, 8) and getattr(cache, "group_size", None) in (32, 64, 128)
+                and isinstance(keys, tuple | list) and isinstance(values, tuple | list)
+                and len(keys) == len(values) == 3
+                and keys[1].dtype == values[1].dtype == mx.float32):
+            return False
+        # mlx-lm lines a 4-D mask's head axis up with the key heads (the kernel: query heads)
+        grouped = queries.shape[1] != keys[0].shape[1]
+        return not (grouped and isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] != 1)
+    return (isinstance(keys, mx.array) and isinstance(values, mx.array)
+            and keys.dtype == values.dtype and keys.dtype in (mx.float32, mx.float16))
+
+
+def _prefill(ext: Any, queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+             mask: Any) -> mx.array:
+    array_mask = mask if isinstance(mask, mx.array) else None
+    causal = isinstance(mask, str)
+    kernel = cast(_PrefillAttention, ext)
+    if hasattr(cache, "bits"):
+        return kernel.prefill_attention(queries, list(keys), list(values), float(scale), array_mask,
+                                        causal, 0, cache.group_size, cache.bits)
+    return kernel.prefill_attention(queries, [keys], [values], float(scale), array_mask, causal)
+
+
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
                                  cache: Any, scale: float, mask: Any,
                                  sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``, through the decode kernel
     where it applies."""
     ext = _qmm.extension()
+    if ext is not None and _applies_prefill(queries, keys, values, cache, mask, sinks) and _prefill_enabled():
+        return _prefill(ext, queries, keys, values, cache, scale, mask)
     if ext is not None and _applies_quantized(queries, keys, values, cache, mask, sinks):
         return cast(_QuantizedAttention, ext).quantized_decode_attention(
             queries, tuple(keys), tuple(values), float(scale),

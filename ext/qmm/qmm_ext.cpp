@@ -48,6 +48,7 @@
 
 #include "attention_kernels.h"
 #include "cpu_task.h"
+#include "prefill_attention.h"
 #include "qmm_kernels.h"
 #include "quantized_attention.h"
 
@@ -846,6 +847,37 @@ void register_quantized_attention(nb::module_& m) {
         "both broadcast to (B, Hq, 1, S).");
 }
 
+// prefill_attention (prefill_attention.cpp) on this module's pool and kernel setting.
+void register_prefill_attention(nb::module_& m) {
+  afm_pattn::Runner runner;
+  runner.threads = [](double work, double min_work) { return pool_threads(pool(), work, min_work); };
+  runner.run = [](int n, int chunks, const std::function<void(int)>& fn) {
+    pool().run(n, chunks, fn);
+  };
+  runner.isa = [] { return kernels().name; };
+  m.def("prefill_attention",
+        [runner](const mx::array& q, const std::vector<mx::array>& keys,
+                 const std::vector<mx::array>& values, float scale,
+                 const std::optional<mx::array>& mask, bool causal, int window, int group_size,
+                 int bits) {
+          return afm_pattn::prefill_attention(q, keys, values, scale, mask, causal, window,
+                                              group_size, bits, runner);
+        },
+        "q"_a, "keys"_a, "values"_a, "scale"_a, "mask"_a = nb::none(), "causal"_a = false,
+        "window"_a = 0, "group_size"_a = 64, "bits"_a = 0,
+        "softmax(scale * q k^T + mask) v for many query positions, flash-attention style (no "
+        "score matrix): q (B, Hq, L, D) float32; keys and values [k] and [v] (B, Hkv, S, D) "
+        "float32 or float16, or with bits 4 or 8 mx.quantize'd (data, scales, biases) triples; "
+        "query l is key S - L + l: causal sees the keys up to it, window > 0 only the last "
+        "window of them; a bool mask keeps where true, a float32 mask is added (broadcast to "
+        "(B, Hq, L, S)).  A row that sees no key is zeros.");
+  m.def("prefill_attention_path",
+        [runner](int head_dim) { return afm_pattn::prefill_attention_path(runner, head_dim); },
+        "head_dim"_a = 64,
+        "The kernel path prefill_attention takes now for value heads of head_dim: 'portable', "
+        "'avx2' or 'avx512' (from the instruction set in use, see set_isa).");
+}
+
 }  // namespace
 }  // namespace afm_qmm
 
@@ -908,4 +940,5 @@ NB_MODULE(qmm_ext, m) {
   m.def("set_spin_us", [](int us) { afm_qmm::pool().set_spin_us(us); }, "us"_a,
         "Set how long a worker spins after a job before it sleeps.");
   afm_qmm::register_quantized_attention(m);
+  afm_qmm::register_prefill_attention(m);
 }
