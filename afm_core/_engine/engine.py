@@ -106,6 +106,10 @@ class EngineStatistics:
     """Requests started from another request's prefill of the same prompt
     (several choices of one prompt, identical requests arriving together):
     each computed one prompt token instead of all of them."""
+    kept_prefixes: int = 0
+    """Requests that left before they ended (cancelled, or their client went
+    away) whose computed prefix (a prefill stopped part-way, or the prompt
+    and the output so far) was kept in the prefix cache for a retry."""
     embedding_requests: int = 0
     """:meth:`Engine.embed` calls answered."""
     embedding_tokens: int = 0

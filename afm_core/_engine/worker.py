@@ -40,6 +40,12 @@ decoding; ``loading``); the entry then moves into the memory tier and the
 job is inserted with its copy.  A file that turns out corrupt is deleted and
 the job falls back to the memory tier's answer.
 
+**A request that leaves early** (cancelled, or dropped when its client
+went away) keeps what it computed: its row's cache (the prefill's chunks so
+far, or the prompt and the tokens generated) goes to the prefix cache's tiers
+as a finished request's does, so a retry of the same prompt resumes where it
+stopped (``kept_prefixes`` counts them; the retry's ``cached_tokens`` shows it).
+
 **LoRA adapters.**  A job's ``adapter`` (0: none) goes with its row into
 the generator (``insert_one(adapter=...)``; :mod:`afm_core._mlx.lora`), so
 rows on different adapters decode in the same batch.  What a row computed
@@ -157,6 +163,9 @@ class WorkerStats:
     prefix_cache_disk_evictions: int = 0
     prefix_cache_disk_corrupt: int = 0
     prefix_cache_disk_dropped_writes: int = 0
+    kept_prefixes: int = 0
+    """Caches of requests cancelled or dropped before they ended, kept in the
+    prefix cache (their prefill so far, or their prompt and output)."""
     shared_prefills: int = 0
     """Jobs started from another job's prefill of the same prompt (see the module docstring)."""
     parked: int = 0
@@ -426,6 +435,7 @@ class Worker:
                 held = self.by_key.get(key)
                 if held is None:
                     return
+                self._keep_prefix(held)
                 self._remove(held)
                 if isinstance(cmd, Cancel):
                     outputs[held.key] = Delivery(tuple(self._end(held, "cancelled")), True)
@@ -877,6 +887,22 @@ class Worker:
             )
             events.append(Profile(payload, job.profile.extended))
         return events
+
+    def _keep_prefix(self, job: Job) -> None:
+        """``job`` leaves before it ends (cancelled, or its client went away):
+        what it computed beyond the cache it started from (a prefill stopped
+        part-way, or a prompt and some output) goes to the prefix cache, so a
+        retry of the same prompt resumes there instead of starting over."""
+        if not self.caching or job.uid is None or job.scores is not None:
+            return
+        found = self.gen.extract_cache([job.uid]).get(job.uid)
+        if found is None:
+            return
+        cache, tokens = found
+        if cache is None or tokens is None or len(tokens) <= job.cached_tokens:
+            return  # still waiting to start: nothing new
+        self.stats.kept_prefixes += 1
+        self._save_cache(list(tokens), cache, job.adapter)
 
     def _remove(self, job: Job) -> None:
         if job.uid is not None:
