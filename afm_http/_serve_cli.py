@@ -156,6 +156,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts prefilled together (default: 8)")
     engine.add_argument("--prefill-step", type=_int_at_least(1), default=2048,
                         help="prompt tokens per prefill step (default: 2048)")
+    engine.add_argument("--prefill-step-decoding", type=_int_at_least(0), default=256, metavar="N",
+                        help="while other streams decode, prompt tokens per prefill step, counted at "
+                             "their cost at a prompt's start (later chunks of a long prompt hold fewer): "
+                             "bounds how long a long prompt pauses the running streams; 0: always "
+                             "--prefill-step (default: 256)")
     engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=1 << 30,
                         help="prompt prefix cache budget, 0 disables it (default: 1 GiB)")
     engine.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -290,6 +295,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(max_batch=args.max_batch, max_waiting=args.max_waiting,
                         prefill_batch=args.prefill_batch, prefill_step=args.prefill_step,
+                        prefill_step_decoding=args.prefill_step_decoding,
                         prefix_cache_bytes=args.prefix_cache_bytes,
                         cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,

@@ -85,6 +85,17 @@ class EngineConfig:
     several steps, and the running streams decode one token between them.
     Smaller chunks keep their tokens flowing while a long prompt arrives, at
     the cost of more steps (and a slower first token) for that prompt."""
+    prefill_step_decoding: int = 256
+    """While other streams are decoding, prompt tokens prefilled per step,
+    counted at what tokens cost at the start of a prompt: a chunk later in a
+    long prompt (whose attention reads more keys) holds fewer tokens, so every
+    chunk takes about as long, shared among the prompts prefilled together.
+    The running streams get a token between every two chunks, so this bounds
+    how long a long prompt arriving stalls them (a running stream's longest
+    gap between tokens), at the cost of more steps for that prompt's prefill
+    (its first token comes later).  With no stream decoding, a prompt is
+    prefilled ``prefill_step`` tokens at a time.  0: always ``prefill_step``
+    (mlx-lm's behaviour)."""
     prefix_cache_bytes: int = 1 << 30
     """Bytes of KV cache (1 GiB by default) kept from finished requests so a
     later prompt that starts the same way (the next turn of a chat, a shared
@@ -244,6 +255,8 @@ class EngineConfig:
             raise ValueError("embedding_pooling must be 'mean', 'last' or 'cls'")
         if self.max_batch < 1 or self.max_waiting < 0 or self.prefill_batch < 1 or self.prefill_step < 1:
             raise ValueError("max_batch, prefill_batch and prefill_step must be >= 1, max_waiting >= 0")
+        if self.prefill_step_decoding < 0:
+            raise ValueError("prefill_step_decoding must be >= 0 (0: always prefill_step)")
         if self.kv_bits is not None and self.kv_bits not in (4, 8):
             raise ValueError("kv_bits must be 4, 8 or None (a float KV cache)")
         if self.kv_group_size not in (32, 64, 128):

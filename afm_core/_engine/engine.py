@@ -368,6 +368,7 @@ class Engine:
                 worker = _distributed.worker_factory(self.config.distributed)(
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
+                    prefill_step_decoding=self.config.prefill_step_decoding,
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
                     adapters=adapters,

@@ -192,6 +192,7 @@ class Worker:
         prefill_batch: int,
         prefill_step: int,
         prefix_cache_bytes: int,
+        prefill_step_decoding: int = 0,
         model_key: str,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int = 0,
@@ -212,6 +213,7 @@ class Worker:
         self.max_batch = max_batch
         self.prefill_batch = prefill_batch
         self.prefill_step = prefill_step
+        self.prefill_step_decoding = prefill_step_decoding
         self.prefix_cache_bytes = prefix_cache_bytes
         self.model_key = model_key
         self.cache_dir = cache_dir
@@ -292,6 +294,7 @@ class Worker:
             # mlx-lm widens the decode batch to the prefill batch: keep it within max_batch
             prefill_batch_size=min(self.prefill_batch, self.max_batch),
             prefill_step_size=self.prefill_step,
+            prefill_step_decoding=self.prefill_step_decoding,
             stream=self.stream,
             kv_bits=self.kv_bits,
             kv_group_size=self.kv_group_size,

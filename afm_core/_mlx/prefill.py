@@ -41,6 +41,18 @@ the rows are merged into the decode batch.  The copy holds every prompt token
 but the last, as the row does then; the caller takes it out of ``prefilled``
 after the step and inserts the waiting requests with it.
 
+**Prefill interleaved with decoding.**  mlx-lm's step decodes one token of
+every running stream, then prefills one chunk of ``prefill_step_size``
+tokens of each waiting prompt: the running streams wait for that chunk
+between two of their tokens.  With ``prefill_step_decoding`` (a number of
+tokens) the chunks are smaller while any stream decodes: they cost about
+as much as that many tokens at the start of a prompt, counted with
+:class:`PrefillCost` (a token's matrix products, plus its attention over the
+keys before it: a chunk deep into a long prompt gets fewer tokens, so it
+takes about as long), shared among the prompts prefilled in the step.  With
+no stream decoding, a prompt is prefilled ``prefill_step_size`` tokens at a
+time, the fastest way to its first token.
+
 **LoRA adapters.**  With ``adapters`` (:class:`~afm_core._mlx.lora.AdapterRows`),
 each row's prompt chunks run with that row's adapter selected, and so does
 the first decode step mlx-lm's ``GenerationBatch`` runs as it is made.
@@ -49,6 +61,7 @@ the first decode step mlx-lm's ``GenerationBatch`` runs as it is made.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +81,13 @@ from .lora import AdapterRows
 from .quantized_cache import check_quantizable, make_quantized_cache
 from .speculative import Speculation
 
-__all__ = ["SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PromptScores"]
+__all__ = ["MIN_CHUNK", "SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PrefillCost",
+           "PromptScores"]
+
+MIN_CHUNK = 16
+"""The fewest tokens a prompt's chunk holds while streams decode, however far
+into a long prompt it is (each step's fixed cost, a pass over every layer's
+weights, must buy some progress)."""
 
 SCORE_SPAN = 256
 """Prompt positions a scored row runs through the model at once: its
@@ -129,6 +148,53 @@ class PromptScores:
                     order = sorted(range(k), key=val.__getitem__, reverse=True)
                     self.top_ids.append([tid[j] for j in order])
                     self.top_logprobs.append([val[j] for j in order])
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """What prefilling costs, in multiply-adds: ``per_token`` for a token's
+    matrix products, plus ``per_key`` for each key its attention reads (every
+    earlier token of its prompt, and itself)."""
+
+    per_token: float
+    per_key: float
+
+    @classmethod
+    def of(cls, model: Any) -> PrefillCost:
+        """The costs of ``model``: its layers' linear weights (quantized ones
+        counted unpacked), and from its config, every layer's query heads
+        times their size, twice (the scores, then the weighted values)."""
+        import mlx.nn as nn
+
+        per_token = 0.0
+        layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
+        for layer in layers:
+            for _, m in layer.named_modules():
+                if isinstance(m, nn.QuantizedLinear):
+                    rows, words = m.weight.shape
+                    per_token += rows * words * 32 / m.bits
+                elif isinstance(m, nn.Linear):
+                    per_token += m.weight.size
+        args = getattr(model, "args", None)
+        heads = getattr(args, "num_attention_heads", 0) or 0
+        hidden = getattr(args, "hidden_size", 0) or 0
+        head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
+        return cls(per_token=per_token, per_key=2.0 * len(layers) * heads * head_dim)
+
+    def chunk(self, budget_tokens: int, offsets: Sequence[int]) -> int:
+        """The most tokens ``n`` each of the prompts at ``offsets`` (tokens
+        already in their caches) may prefill in one step for all of them to
+        cost what ``budget_tokens`` tokens cost at the start of one prompt:
+        the largest n with sum over rows of n (per_token + per_key (o + n / 2))
+        <= budget_tokens per_token (at least ``MIN_CHUNK``)."""
+        rows = len(offsets)
+        if rows == 0 or self.per_token <= 0:
+            return max(MIN_CHUNK, budget_tokens // max(rows, 1))
+        budget = budget_tokens * self.per_token
+        a = rows * self.per_key / 2.0
+        b = rows * self.per_token + self.per_key * sum(offsets)
+        n = budget / b if a == 0 else (-b + math.sqrt(b * b + 4.0 * a * budget)) / (2.0 * a)
+        return max(MIN_CHUNK, int(n))
 
 
 class EnginePromptBatch(PromptProcessingBatch):
@@ -243,6 +309,10 @@ class EngineBatchGenerator(BatchGenerator):
     token (:mod:`.quantized_cache`, ``kv_group_size`` elements per scale);
     a model whose cache cannot be is refused here (ValueError).
 
+    With ``prefill_step_decoding`` > 0 a step prefills smaller chunks while
+    streams decode (see the module docstring; ``full_step`` is the
+    ``prefill_step_size`` given).
+
     ``shared`` holds the uids of rows whose prefilled cache other requests
     wait for: when such a row's prefill ends, a deep copy of its cache
     (every prompt token but the last) lands in ``prefilled[uid]`` and the uid
@@ -251,8 +321,12 @@ class EngineBatchGenerator(BatchGenerator):
 
     def __init__(self, model: Any, *, logprob_uids: set[int], adapters: AdapterRows | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 64,
-                 speculation: Speculation | None = None, **kw: Any) -> None:
+                 speculation: Speculation | None = None, prefill_step_decoding: int = 0,
+                 **kw: Any) -> None:
         super().__init__(model, **kw)
+        self.full_step = self.prefill_step_size
+        self.prefill_step_decoding = prefill_step_decoding
+        self.cost = PrefillCost.of(model) if prefill_step_decoding > 0 else None
         self.adapters = adapters
         install(self, logprob_uids, adapters, speculation)
         self.speculation = speculation
@@ -333,9 +407,24 @@ class EngineBatchGenerator(BatchGenerator):
         return int(super().prompt_cache_nbytes) + sum(c.nbytes for row in rows for c in row)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
+        step = self._chunk_size()
+        self.prefill_step_size = self._prompt_batch.prefill_step_size = step
         prompt_responses, generation_responses = super()._next()
         self._start_decoding(prompt_responses)
         return prompt_responses, generation_responses
+
+    def _chunk_size(self) -> int:
+        """This step's prefill chunk per prompt (see the module docstring):
+        ``full_step`` unless streams decode and ``prefill_step_decoding`` is set."""
+        if self.cost is None or len(self._generation_batch) == 0:
+            return self.full_step
+        # the prompts this step prefills: those under way, then those mlx-lm starts now
+        offsets = [len(t) for t in self._prompt_batch.tokens]
+        room = min(self.prefill_batch_size - len(self._prompt_batch),
+                   self.completion_batch_size - len(self._generation_batch))
+        offsets += [len(seq[4]) for _, seq in zip(range(max(room, 0)), self._unprocessed_sequences,
+                                                  strict=False)]
+        return min(self.full_step, self.cost.chunk(self.prefill_step_decoding, offsets))
 
     def _start_decoding(self, prompt_responses: list[Any]) -> None:
         """Move the prompts whose prefill just ended (only their last token is

@@ -226,3 +226,66 @@ def test_occupancy_follows_each_row_from_waiting_to_done(model: Any) -> None:
             left.append(now.decoding + now.prefilling + now.waiting)
         assert left == sorted(left, reverse=True)  # a row only ever moves on
         gen.close()
+
+
+def test_prefill_cost_counts_the_products_and_the_keys(model: Any) -> None:
+    from afm_core._mlx.prefill import MIN_CHUNK, PrefillCost
+
+    cost = PrefillCost.of(model)
+    args = model.args
+    head = args.head_dim or args.hidden_size // args.num_attention_heads
+    kv = args.num_key_value_heads * head
+    q = args.num_attention_heads * head
+    per_layer = args.hidden_size * (2 * q + 2 * kv) + 3 * args.hidden_size * args.intermediate_size
+    assert cost.per_token == args.num_hidden_layers * per_layer
+    assert cost.per_key == 2 * args.num_hidden_layers * args.num_attention_heads * head
+    # a chunk deep into a prompt holds fewer tokens; several prompts share the budget
+    sizes = [cost.chunk(256, [o]) for o in (0, 1000, 10_000, 100_000)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] < 256 and sizes[-1] >= MIN_CHUNK
+    n = cost.chunk(256, [0, 500])
+    for offsets, got in (([0], sizes[0]), ([0, 500], n)):
+        spent = sum(got * (cost.per_token + cost.per_key * (o + got / 2)) for o in offsets)
+        over = sum((got + 1) * (cost.per_token + cost.per_key * (o + (got + 1) / 2)) for o in offsets)
+        assert spent <= 256 * cost.per_token < over  # the most that fits
+    assert cost.chunk(256, [10**9]) == MIN_CHUNK
+
+
+def test_running_streams_get_a_token_between_the_chunks_of_a_long_prompt(model: Any) -> None:
+    """While a stream decodes, a long prompt is prefilled in chunks of about
+    ``prefill_step_decoding`` tokens' cost, each step also giving the
+    running stream its token; alone, it goes ``prefill_step`` at a time."""
+    from afm_core._mlx.prefill import PrefillCost
+
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 4, "prefill_batch_size": 2,
+                          "prefill_step_size": 512}
+    gen = EngineBatchGenerator(model, logprob_uids=set(), prefill_step_decoding=40, **kw)
+    (running,) = gen.insert([[5, 6, 7]], max_tokens=[10_000])
+    while not gen.next()[1]:
+        pass  # until it decodes
+    long = [(i * 7) % 900 + 3 for i in range(1000)]
+    (waiting,) = gen.insert([long], max_tokens=[2])
+    done, chunks, tokens = 0, [], 0
+    cost = PrefillCost.of(model)
+    while True:
+        prompt_responses, responses = gen.next()
+        tokens += sum(r.uid == running for r in responses)
+        mine = [p for p in prompt_responses if p.uid == waiting]
+        if any(r.uid == waiting for r in responses):
+            break
+        assert mine, "a step that prefilled nothing"
+        assert any(r.uid == running for r in responses), "the running stream got no token"
+        step = mine[-1].progress[0] - done
+        assert step <= max(cost.chunk(40, [done]), 0) or mine[-1].end_of_prompt
+        chunks.append(step)
+        done = mine[-1].progress[0]
+    assert len(chunks) > 1000 // 512 + 1 and tokens >= len(chunks)
+    assert chunks[:-1] == sorted(chunks[:-1], reverse=True)  # later chunks hold fewer tokens
+    gen.close()
+    # alone, the same prompt goes prefill_step_size tokens at a time
+    alone = EngineBatchGenerator(model, logprob_uids=set(), prefill_step_decoding=40, **kw)
+    (uid,) = alone.insert([long], max_tokens=[2])
+    steps = 0
+    while not any(r.uid == uid for r in alone.next()[1]):
+        steps += 1
+    assert steps == 2  # 512, then the rest
+    alone.close()
