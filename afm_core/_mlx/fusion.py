@@ -283,10 +283,12 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
         # beside the module's dict, so the kernels never count as parameters
         object.__setattr__(layer, "_kernels", kernels)
         changed += 1
+    from .activations import use_fast_swiglu  # the MLP's SwiGLU as one operation
     from .attention import use_decode_attention  # one operation per layer's decode attention
     from .qmatmul import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
 
     use_decode_attention(model)
+    use_fast_swiglu(model)
     return changed + use_fast_qmm(model)
 
 
@@ -314,8 +316,10 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
             continue
         layer.__class__ = layer.__class__.__mro__[1]
         changed += 1
+    from .activations import restore_swiglu
     from .attention import restore_decode_attention
     from .qmatmul import restore_qmm
 
     restore_decode_attention(model)
+    restore_swiglu(model)
     return changed + restore_qmm(model)

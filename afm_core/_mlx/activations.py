@@ -1,0 +1,102 @@
+"""mlx-lm's SwiGLU activation as one operation on the CPU.
+
+mlx-lm's llama-family MLPs compute ``down_proj(swiglu(gate_proj(x),
+up_proj(x)))`` with ``swiglu = silu(gate) * up`` compiled by ``mx.compile``.
+On the CPU the compiled kernel calls the math library once per element for
+its exponential: over a prompt chunk of the default model (2048 positions x
+1536) that took as long as a third of the layer's matrix products
+(``benchmarks/prefill_profile.py``).  ``qmm_ext.swiglu``
+(``ext/qmm/layer_ops.cpp``) computes it with attention's vectorised
+exponential, to a few ulp of the exact value (``tests/mlx/test_activations.py``
+states the bound).
+
+:func:`use_fast_swiglu` points the name ``swiglu`` in the modules of a
+model's layers (mlx-lm's ``from .activations import swiglu``) at
+:func:`swiglu` here, which takes the kernel for float32 arrays of one shape
+on the CPU and mlx-lm's function otherwise; counted per module and given back
+by :func:`restore_swiglu`, as :mod:`.attention` does for its kernel.
+``AFM_NO_FAST_SWIGLU=1`` keeps mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Protocol, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import activations as _activations
+
+from . import qmatmul as _qmm
+
+__all__ = ["restore_swiglu", "swiglu", "use_fast_swiglu"]
+
+NO_FAST_SWIGLU_ENV = "AFM_NO_FAST_SWIGLU"
+_NAME = "swiglu"
+_original = _activations.swiglu
+_lock = threading.Lock()
+_users: dict[str, int] = {}  # module name -> models using the kernel there
+
+
+class _Swiglu(Protocol):
+    """``qmm_ext.swiglu`` (typed here, beside its one caller)."""
+
+    def swiglu(self, gate: mx.array, up: mx.array) -> mx.array: ...
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's ``swiglu(gate, x)`` (``silu(gate) * x``), as one operation where it applies."""
+    ext = _qmm.extension()
+    if (ext is not None and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape
+            and gate.ndim >= 1 and mx.default_device() == mx.cpu):
+        return cast(_Swiglu, ext).swiglu(gate, x)
+    return cast(mx.array, _original(gate, x))
+
+
+def _modules(model: nn.Module) -> list[ModuleType]:
+    names = {type(layer).__module__ for _, layer in model.named_modules()}
+    found = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, _NAME, None) in (_original, swiglu):
+            found.append(module)
+    return found
+
+
+def use_fast_swiglu(model: nn.Module) -> int:
+    """Route the SwiGLU of ``model``'s mlx-lm modules through the kernel;
+    returns how many modules it applies to (0 without the extension, off the
+    CPU, or with ``AFM_NO_FAST_SWIGLU=1``)."""
+    if (_qmm.extension() is None or mx.default_device() != mx.cpu
+            or os.environ.get(NO_FAST_SWIGLU_ENV, "") not in ("", "0")):
+        return 0
+    modules = _modules(model)
+    with _lock:
+        for module in modules:
+            setattr(module, _NAME, swiglu)
+            _users[module.__name__] = _users.get(module.__name__, 0) + 1
+    object.__setattr__(model, "_afm_swiglu_modules", tuple(m.__name__ for m in modules))
+    return len(modules)
+
+
+def restore_swiglu(model: nn.Module) -> int:
+    """Undo :func:`use_fast_swiglu` for ``model``: a module gets mlx-lm's
+    function back when no other model uses the kernel there."""
+    names: tuple[str, ...] = getattr(model, "_afm_swiglu_modules", ())
+    if not names:
+        return 0
+    object.__delattr__(model, "_afm_swiglu_modules")
+    with _lock:
+        for name in names:
+            left = _users.get(name, 0) - 1
+            if left > 0:
+                _users[name] = left
+                continue
+            _users.pop(name, None)
+            module: Any = sys.modules.get(name)
+            if module is not None and getattr(module, _NAME, None) is swiglu:
+                setattr(module, _NAME, _original)
+    return len(names)
