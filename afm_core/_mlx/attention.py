@@ -13,7 +13,8 @@ out of the default model's decode step, the step ran 22% faster
 ``afm_core._mlx.qmm_ext.decode_attention`` (``ext/qmm/attention_kernels.cpp``)
 computes the same thing for up to ``MAX_QUERY_POSITIONS`` query positions per
 (batch, head) as a single MLX primitive: float32 ``q`` (B, Hq, L, D) against
-``k``/``v`` (B, Hkv, S, D) read in place (the cache's strided slices), grouped
+``k``/``v`` (B, Hkv, S, D), float32 or float16 (a half-precision KV cache,
+widened as read), read in place (the cache's strided slices), grouped
 queries, ``"causal"`` (query l sees the keys up to S - L + l) or a boolean or
 additive mask broadcast to (B, Hq, L, S) (mlx-lm's batch caches pass their
 left padding and the causal structure that way), the rows split over the
@@ -27,7 +28,8 @@ mlx-lm's models call the ``scaled_dot_product_attention`` their module
 imported from ``mlx_lm.models.base``; :func:`use_decode_attention` points that
 name, in the modules of a model's layers, at :func:`scaled_dot_product_attention`
 here, which takes the kernel when it applies (at most ``MAX_QUERY_POSITIONS``
-query positions, float32, CPU, no quantized cache, no attention sinks) and
+query positions, float32 queries, float32 or float16 keys and values, CPU, no
+quantized cache, no attention sinks) and
 calls mlx-lm's function otherwise (prompts, for one).
 The name is module-wide, so it is counted per module and given back
 (:func:`restore_decode_attention`) when the last model using it lets go.
@@ -89,8 +91,8 @@ _users: dict[str, int] = {}  # module name -> models using the kernel there
 def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
              mask: Any, sinks: Any) -> bool:
     return (queries.ndim == 4 and 1 <= queries.shape[2] <= MAX_QUERY_POSITIONS and sinks is None
-            and not hasattr(cache, "bits")
-            and queries.dtype == keys.dtype == values.dtype == mx.float32
+            and not hasattr(cache, "bits") and queries.dtype == mx.float32
+            and keys.dtype == values.dtype and keys.dtype in (mx.float32, mx.float16)
             and (mask is None or isinstance(mask, str)
                  or (isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32)))
             and mx.default_device() == mx.cpu)

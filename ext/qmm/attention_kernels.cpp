@@ -23,6 +23,36 @@ namespace {
 
 #include "fast_exp.inc"
 
+// Keys and values: float32, or float16 read through this widening.
+struct Half {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(Half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  uint32_t exp = (h.bits >> 10) & 0x1Fu, man = h.bits & 0x3FFu, out;
+  if (exp == 0x1Fu) {
+    out = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    out = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    out = sign;
+  } else {  // subnormal
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while ((man & 0x400u) == 0);
+    out = sign | ((112u - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &out, 4);
+  return f;
+}
+
+inline const float* qdata(const Args& a) { return static_cast<const float*>(a.q.p); }
+
 float* scratch(size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) buf.resize(n);
@@ -61,13 +91,14 @@ inline float softmax_row(float* sc, int S, ExpRow exp_row) {
 }
 
 // ---------------------------------------------------------------- portable
+template <typename T>
 void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
   const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, R = rep * a.L;
-  const float* k = a.k.p + b * a.k.s[0] + kh * a.k.s[1];
-  const float* v = a.v.p + b * a.v.s[0] + kh * a.v.s[1];
+  const T* k = static_cast<const T*>(a.k.p) + b * a.k.s[0] + kh * a.k.s[1];
+  const T* v = static_cast<const T*>(a.v.p) + b * a.v.s[0] + kh * a.v.s[1];
   const int64_t ks = a.k.s[2], kd = a.k.s[3], vs = a.v.s[2], vd = a.v.s[3];
   for (int i = 0; i < R; ++i) {
-    const float* q = a.q.p + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
+    const float* q = qdata(a) + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
     for (int d = 0; d < D; ++d) qs[i * D + d] = q[d * a.q.s[3]] * a.scale;
   }
   for (int i = 0; i < R; ++i) {
@@ -75,7 +106,7 @@ void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* ac
     float* row = sc + static_cast<size_t>(i) * S;
     for (int s = 0; s < n; ++s) {
       float x = 0.0f;
-      for (int d = 0; d < D; ++d) x += qs[i * D + d] * k[s * ks + d * kd];
+      for (int d = 0; d < D; ++d) x += qs[i * D + d] * to_float(k[s * ks + d * kd]);
       row[s] = a.mask_kind == MaskKind::none ? x : masked(a, b, h, l, s, x);
     }
     const float inv = softmax_row(row, n, [](float* p, int m, float top) {
@@ -87,7 +118,7 @@ void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* ac
     for (int d = 0; d < D; ++d) o[d] = 0.0f;
     for (int s = 0; s < n; ++s) {
       const float p = row[s] * inv;
-      for (int d = 0; d < D; ++d) o[d] += p * v[s * vs + d * vd];
+      for (int d = 0; d < D; ++d) o[d] += p * to_float(v[s * vs + d * vd]);
     }
   }
 }
@@ -95,13 +126,19 @@ void unit_portable(const Args& a, int b, int kh, float* sc, float* qs, float* ac
 // ---------------------------------------------------------------- AVX2
 #if ATTN_X86
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 
 #include "fast_exp_avx2.inc"
+
+// Eight keys' or values' elements as float32 (float16 widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // The horizontal sums of d[0..8) as one vector, lane t the sum of d[t]:
 // ((d0 + d1) + (d2 + d3)) + ((d4 + d5) + (d6 + d7)) over d[t]'s lanes, the
@@ -116,14 +153,14 @@ inline __m256 hsum8x8(const __m256* d) {
 // Scores of one row against keys s0 .. s0 + cnt - 1 (cnt <= 8), into out:
 // each key's dot product is summed by lanes over the head, then hsum8x8.
 // A key's score does not depend on cnt (missing keys are zero vectors).
-template <int kFull>
-inline void scores8(const float* q, const float* k, int64_t ks, int nv, int cnt, float* out) {
+template <int kFull, typename T>
+inline void scores8(const float* q, const T* k, int64_t ks, int nv, int cnt, float* out) {
   __m256 d[8];
   for (int t = 0; t < 8; ++t) d[t] = _mm256_setzero_ps();
   const int n = kFull ? 8 : cnt;
   for (int j = 0; j < nv; ++j) {
     const __m256 qv = _mm256_loadu_ps(q + 8 * j);
-    for (int t = 0; t < n; ++t) d[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * ks + 8 * j), d[t]);
+    for (int t = 0; t < n; ++t) d[t] = _mm256_fmadd_ps(qv, load8(k + t * ks + 8 * j), d[t]);
   }
   const __m256 r = hsum8x8(d);
   if (kFull) {
@@ -138,14 +175,14 @@ inline void scores8(const float* q, const float* k, int64_t ks, int nv, int cnt,
 // Value sums of one row over keys s0 .. s1 - 1, for head columns
 // 8 * j0 .. 8 * (j0 + NJ) - 1: o += p[s] v[s] in key order, the accumulators
 // in registers for the stretch.
-template <int NJ>
-inline void value_sums(const float* p, const float* v, int64_t vs, int s0, int s1, float* o) {
+template <int NJ, typename T>
+inline void value_sums(const float* p, const T* v, int64_t vs, int s0, int s1, float* o) {
   __m256 acc[NJ];
   for (int j = 0; j < NJ; ++j) acc[j] = _mm256_loadu_ps(o + 8 * j);
   for (int s = s0; s < s1; ++s) {
     const __m256 ps = _mm256_set1_ps(p[s]);
-    const float* vr = v + s * vs;
-    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+    const T* vr = v + s * vs;
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(ps, load8(vr + 8 * j), acc[j]);
   }
   for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
 }
@@ -156,14 +193,15 @@ inline void value_sums(const float* p, const float* v, int64_t vs, int s0, int s
 // operations in the same order whatever L is and whatever keys other rows see.
 constexpr int kStretch = 32;
 
+template <typename T>
 void unit_avx2(const Args& a, int b, int kh, float* sc, float* qs, float* acc) {
   const int D = a.D, S = a.S, rep = a.Hq / a.Hkv, R = rep * a.L, nv = D / 8;
-  const float* k = a.k.p + b * a.k.s[0] + kh * a.k.s[1];
-  const float* v = a.v.p + b * a.v.s[0] + kh * a.v.s[1];
+  const T* k = static_cast<const T*>(a.k.p) + b * a.k.s[0] + kh * a.k.s[1];
+  const T* v = static_cast<const T*>(a.v.p) + b * a.v.s[0] + kh * a.v.s[1];
   const int64_t ks = a.k.s[2], vs = a.v.s[2];
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int i = 0; i < R; ++i) {
-    const float* q = a.q.p + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
+    const float* q = qdata(a) + b * a.q.s[0] + (kh * rep + i % rep) * a.q.s[1] + (i / rep) * a.q.s[2];
     for (int j = 0; j < nv; ++j) {
       _mm256_storeu_ps(qs + i * D + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), scale));
     }
@@ -232,7 +270,7 @@ void decode_attention_units(const Args& a, int u0, int u1) {
   float* qs = sc + R * S;
   float* acc = qs + R * D;
 #if ATTN_X86
-  const bool fast = has_avx2() && D % 8 == 0 && a.k.s[3] == 1 &&
+  const bool fast = !a.portable && has_avx2() && D % 8 == 0 && a.k.s[3] == 1 &&
                     a.v.s[3] == 1 && a.q.s[3] == 1;
 #else
   const bool fast = false;
@@ -240,14 +278,22 @@ void decode_attention_units(const Args& a, int u0, int u1) {
   for (int u = u0; u < u1; ++u) {
     const int b = u / a.Hkv, kh = u % a.Hkv;
 #if ATTN_X86
-    if (fast) {
-      unit_avx2(a, b, kh, sc, qs, acc);
+    if (fast && a.half) {
+      unit_avx2<Half>(a, b, kh, sc, qs, acc);
+    } else if (fast) {
+      unit_avx2<float>(a, b, kh, sc, qs, acc);
+    } else if (a.half) {
+      unit_portable<Half>(a, b, kh, sc, qs, acc);
     } else {
-      unit_portable(a, b, kh, sc, qs, acc);
+      unit_portable<float>(a, b, kh, sc, qs, acc);
     }
 #else
     (void)fast;
-    unit_portable(a, b, kh, sc, qs, acc);
+    if (a.half) {
+      unit_portable<Half>(a, b, kh, sc, qs, acc);
+    } else {
+      unit_portable<float>(a, b, kh, sc, qs, acc);
+    }
 #endif
     // row i (position i / rep, head kh * rep + i % rep) to out[b, h, l]
     for (size_t i = 0; i < R; ++i) {

@@ -10,6 +10,9 @@
 //   rep = Hq / Hkv (grouped queries); n_l = S - L + 1 + l when causal (query l
 //   is the key at S - L + l and sees the keys up to it), else S.
 //
+// Keys and values may be float16 (a half-precision KV cache): each element is
+// widened exactly to float32 as it is read, so the arithmetic is the same.
+//
 // A boolean mask keeps the positions where it is true (the others get -inf);
 // a float mask is added to the scores.  A row whose every position is masked
 // comes out as zeros.
@@ -25,9 +28,10 @@
 
 namespace afm_attn {
 
-// A float32 array of 4 dimensions: its data and the strides (in elements).
+// An array of 4 dimensions: its data (float32, or float16 for keys and
+// values: Args::half) and the strides (in elements).
 struct View4 {
-  const float* p = nullptr;
+  const void* p = nullptr;
   int64_t s[4] = {0, 0, 0, 0};
 };
 
@@ -35,6 +39,8 @@ enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
 struct Args {
   View4 q, k, v;                 // q (B, Hq, L, D); k, v (B, Hkv, S, D)
+  bool half = false;             // k and v are float16 (q is always float32)
+  bool portable = false;         // the portable loops even where AVX2 runs (the "scalar" kernel set)
   MaskKind mask_kind = MaskKind::none;
   const void* mask = nullptr;    // bool (1 byte) or float32 values
   int64_t ms[4] = {0, 0, 0, 0};  // mask strides over b, h, l, s (0 where broadcast)

@@ -86,10 +86,34 @@ struct Kernels {
   float (*max_tile)(const float* p, float m);
   // kt[d * kKT + j] = k[j * ks + d] for the n <= kKT keys j and d < D
   void (*pack_keys)(const float* k, int64_t ks, int D, int n, float* kt);
+  // dst[0..n) = src[0..n), float16 widened to float32 (exactly)
+  void (*widen)(const uint16_t* src, int n, float* dst);
   void (*scale_row)(float* o, int Dv, float c);
 };
 
 #include "fast_exp.inc"
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while ((man & 0x400u) == 0);
+    bits = sign | ((112u - e) << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // ---------------------------------------------------------------- portable
 // Plain loops, the innermost over contiguous columns (a compiler vectorizes
@@ -137,21 +161,25 @@ void pack_keys(const float* k, int64_t ks, int D, int n, float* kt) {
   }
 }
 
+void widen(const uint16_t* src, int n, float* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
 void scale_row(float* o, int Dv, float c) {
   for (int j = 0; j < Dv; ++j) o[j] *= c;
 }
 
-constexpr Kernels kKernels = {qk, pv, exp_tile, max_tile, pack_keys, scale_row};
+constexpr Kernels kKernels = {qk, pv, exp_tile, max_tile, pack_keys, widen, scale_row};
 
 }  // namespace portable
 
 // ---------------------------------------------------------------- AVX2 + FMA
 #if PATTN_X86
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 namespace avx2 {
 
@@ -191,10 +219,10 @@ struct V {
 
 // ---------------------------------------------------------------- AVX-512
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 // (GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_*)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -283,27 +311,6 @@ float* scratch(size_t n) {
   return buf.data();
 }
 
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    int e = -1;
-    do {
-      ++e;
-      man <<= 1;
-    } while ((man & 0x400u) == 0);
-    bits = sign | ((112u - e) << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // Row (b, kh, s) of x, n elements, as floats into out.
 void load_row(const Src& x, int n, int b, int kh, int s, int bits, int group, float* out) {
@@ -351,6 +358,15 @@ void pack_tile(const Args& a, const Kernels& K, int b, int kh, int t0, int n, fl
     const float* v = static_cast<const float*>(a.v.p) + b * a.v.s[0] + kh * a.v.s[1] + t0 * vs;
     K.pack_keys(k, ks, D, n, kt);
     for (int j = 0; j < n; ++j) std::memcpy(vt + static_cast<size_t>(j) * Dv, v + j * vs, sizeof(float) * Dv);
+  } else if (a.k.kind == Kind::f16 && a.k.s[3] == 1 && a.v.s[3] == 1) {  // a float16 cache
+    const int64_t ks = a.k.s[2], vs = a.v.s[2];
+    const uint16_t* k = static_cast<const uint16_t*>(a.k.p) + b * a.k.s[0] + kh * a.k.s[1] + t0 * ks;
+    const uint16_t* v = static_cast<const uint16_t*>(a.v.p) + b * a.v.s[0] + kh * a.v.s[1] + t0 * vs;
+    for (int j = 0; j < n; ++j) {
+      K.widen(k + j * ks, D, row + static_cast<size_t>(j) * D);
+      K.widen(v + j * vs, Dv, vt + static_cast<size_t>(j) * Dv);
+    }
+    K.pack_keys(row, D, D, n, kt);
   } else {
     for (int j = 0; j < n; ++j) {
       load_row(a.k, D, b, kh, t0 + j, a.bits, a.group, row);
@@ -425,7 +441,7 @@ void run_unit(const Args& a, const Kernels& K, const Geometry& g, int u) {
   const int b = (u % heads) / a.Hkv, kh = (u % heads) % a.Hkv, rep = g.rep;
   const int l0 = blk * g.positions, l1 = std::min(a.L, l0 + g.positions);
   const int R = (l1 - l0) * rep, D = a.D, Dv = a.Dv;
-  float* qs = scratch(static_cast<size_t>(R) * (D + Dv + kKT + 4) + kKT * (D + Dv) +
+  float* qs = scratch(static_cast<size_t>(R) * (D + Dv + kKT + 4) + kKT * (2 * D + Dv) +
                       std::max(D, Dv));
   float* o = qs + static_cast<size_t>(R) * D;
   float* sc = o + static_cast<size_t>(R) * Dv;

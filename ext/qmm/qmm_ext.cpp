@@ -702,7 +702,8 @@ constexpr int kMaxQueryPositions = 16;
 
 afm_attn::View4 view4(const mx::array& a) {
   afm_attn::View4 v;
-  v.p = a.data<float>();
+  v.p = a.dtype() == mx::float16 ? static_cast<const void*>(a.data<mx::float16_t>())
+                                 : static_cast<const void*>(a.data<float>());
   for (int i = 0; i < 4; ++i) v.s[i] = a.strides(i);
   return v;
 }
@@ -713,6 +714,8 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
   a.q = view4(q);
   a.k = view4(k);
   a.v = view4(v);
+  a.half = k.dtype() == mx::float16;
+  a.portable = std::strcmp(kernels().name, "scalar") == 0;
   a.B = q.shape(0);
   a.Hq = q.shape(1);
   a.Hkv = k.shape(1);
@@ -798,8 +801,10 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (Hkv == 0 || Hq % Hkv != 0) {
     throw std::invalid_argument("afm attention: query heads must be a multiple of key heads");
   }
-  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
-    throw std::invalid_argument("afm attention: q, k and v must be float32");
+  if (q.dtype() != mx::float32 || (k.dtype() != mx::float32 && k.dtype() != mx::float16) ||
+      v.dtype() != k.dtype()) {
+    throw std::invalid_argument(
+        "afm attention: q must be float32, k and v both float32 or both float16");
   }
   const mx::Stream stream = mx::default_stream(mx::default_device());
   if (stream.device != mx::Device::cpu) {
@@ -896,7 +901,8 @@ NB_MODULE(qmm_ext, m) {
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false,
         "softmax(scale * q k^T + mask) v for a few query positions per (batch, head): q (B, "
-        "Hq, L, D) with L at most 16, k and v (B, Hkv, S, D), float32; a bool mask keeps where "
+        "Hq, L, D) with L at most 16, float32; k and v (B, Hkv, S, D), float32 or float16; a "
+        "bool mask keeps where "
         "true, a float32 mask is added; both broadcast to (B, Hq, L, S); causal: query l sees "
         "the keys up to S - L + l.  Position l gives the bits of a one-position call on the "
         "keys up to it.");

@@ -352,3 +352,26 @@ def test_model_forward_over_positions_is_the_decode_steps(tmp_path, cache_kind):
                 np.testing.assert_array_equal(together[:, j:j + 1], one)
     finally:
         fusion.unfuse_cpu_kernels(model)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ext.available_isas() if ext is not None else [])
+@pytest.mark.parametrize(("n", "mask_kind"), [(1, "none"), (4, "causal"), (3, "bool")])
+def test_float16_keys_and_values_are_widened_exactly(isa, n, mask_kind):
+    """A half-precision KV cache: the kernel reads float16 keys and values as
+    their exact float32 values, so it gives the bits of a float32 call on them."""
+    before = ext.isa()
+    ext.set_isa(isa)
+    try:
+        q = _queries(2, 9, n, 64, seed=n)
+        _, k, v = _qkv(2, 9, 3, 70, 64, strided=True, seed=7)
+        k16, v16 = k.astype(mx.float16), v.astype(mx.float16)
+        mask = _left_padded_mask(2, n, 70, "bool") if mask_kind == "bool" else None
+        causal = mask_kind == "causal"
+        got = ext.decode_attention(q, k16, v16, 0.125, mask, causal)
+        want = ext.decode_attention(q, k16.astype(mx.float32), v16.astype(mx.float32), 0.125, mask, causal)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    finally:
+        ext.set_isa(before)
+    with pytest.raises(ValueError, match="both float32 or both float16"):
+        ext.decode_attention(q, k16, v, 0.125)
