@@ -161,8 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "their cost at a prompt's start (later chunks of a long prompt hold fewer): "
                              "bounds how long a long prompt pauses the running streams; 0: always "
                              "--prefill-step (default: 256)")
-    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=1 << 30,
-                        help="prompt prefix cache budget, 0 disables it (default: 1 GiB)")
+    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=None,
+                        help="prompt prefix cache budget, 0 disables it (default: the KV cache of one "
+                             "request filling the model's context, at most 1 GiB)")
     engine.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="keep the prefix cache on disk too, in DIR (created if missing): every "
                              "finished request's cache is written there in the background, read back "
@@ -180,6 +181,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, metavar="{32,64,128}",
                         help="elements per scale and bias of the quantized KV cache; must divide the "
                              "model's head size (default: 64)")
+    engine.add_argument("--kv-dtype", choices=("auto", "float16", "model"), default="auto",
+                        help="the float KV cache's element type: float16 (half of float32's bytes), "
+                             "model (the type the model computes in), auto: float16 where the model "
+                             "computes in float32 and its keys and values fit (default: auto)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
                         help="cap for requests without max_tokens (default: the rest of the context)")
     spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
@@ -298,7 +303,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         prefill_step_decoding=args.prefill_step_decoding,
                         prefix_cache_bytes=args.prefix_cache_bytes,
                         cache_dir=args.cache_dir, cache_disk_bytes=args.cache_disk_bytes,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_dtype=args.kv_dtype,
                         default_max_tokens=args.default_max_tokens,
                         grammar=not args.no_grammar,
                         enforce_json_modes=not args.no_enforce_json_modes,

@@ -96,11 +96,15 @@ class EngineConfig:
     (its first token comes later).  With no stream decoding, a prompt is
     prefilled ``prefill_step`` tokens at a time.  0: always ``prefill_step``
     (mlx-lm's behaviour)."""
-    prefix_cache_bytes: int = 1 << 30
-    """Bytes of KV cache (1 GiB by default) kept from finished requests so a
+    prefix_cache_bytes: int | None = None
+    """Bytes of KV cache kept from finished (or cancelled) requests so a
     later prompt that starts the same way (the next turn of a chat, a shared
-    system prompt) prefills only what is new (``cached_tokens`` in its usage).
-    The running batch's own caches count against the budget, and the least
+    system prompt, a retry) prefills only what is new (``cached_tokens`` in
+    its usage).  None (the default) sizes it to the model: the KV cache of
+    one request filling the model's whole context, at most 1 GiB (the
+    default model: 188 MiB with a float16 cache), so the longest
+    conversation the model can hold stays cached, or many shorter ones.  The
+    running batch's own caches count against the budget, and the least
     recently used entries go first (at most 256 are kept); 0 disables the
     cache (no lookups, nothing kept).  Memory traded for prefill time."""
     cache_dir: str | Path | None = None
@@ -202,6 +206,17 @@ class EngineConfig:
     kv_group_size: int = 64
     """Elements sharing one scale and bias in the quantized KV cache (32, 64
     or 128; must divide the model's head size); only with ``kv_bits``."""
+    kv_dtype: str = "auto"
+    """The float KV cache's element type (without ``kv_bits``): ``float16``
+    stores keys and values in half precision, half of float32's bytes (the
+    rounding llama.cpp's default cache makes); ``model`` keeps the type the
+    model computes in (float32 for afm's CPU conversions); ``auto`` (the
+    default) picks float16 where the model computes in float32 and its keys
+    and values stay far inside float16's range (a probe pass at start-up:
+    at most 4096, 16x below float16's largest), else the model's type.
+    Layers with sliding windows keep the model's type.  Entries of the
+    prefix cache's disk tier are only served to an engine with the same
+    type."""
 
     adapters: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the model, as ``(name, directory)`` pairs
@@ -261,6 +276,10 @@ class EngineConfig:
             raise ValueError("kv_bits must be 4, 8 or None (a float KV cache)")
         if self.kv_group_size not in (32, 64, 128):
             raise ValueError("kv_group_size must be 32, 64 or 128")
+        if self.kv_dtype not in ("auto", "float16", "model"):
+            raise ValueError("kv_dtype must be 'auto', 'float16' or 'model'")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 (or None: sized to the model)")
         if self.kv_bits is not None and self.distributed is not None:
             # the sharded generator and its followers build float caches of their own
             raise ValueError("kv_bits (a quantized KV cache) cannot be used with distributed")

@@ -148,6 +148,12 @@ class EngineStatistics:
     quantized); None: float."""
     kv_group_size: int | None = None
     """Elements per scale of the quantized KV cache; None with a float one."""
+    kv_cache: str = ""
+    """The KV cache's element type as chosen at start (``EngineConfig.kv_dtype``):
+    ``float16``, ``the model's type`` or e.g. ``8-bit (groups of 64)``."""
+    prefix_cache_budget: int = 0
+    """Bytes the prefix cache's memory tier may hold (``EngineConfig.prefix_cache_bytes``,
+    or the size chosen for the model)."""
     spec_steps: int = 0
     """Verify steps of speculative decoding (``EngineConfig.prompt_lookup``,
     ``draft_model``): steps that checked proposed tokens."""
@@ -369,6 +375,8 @@ class Engine:
                     model, tokenizer, post=post, max_batch=self.config.max_batch,
                     prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
                     prefill_step_decoding=self.config.prefill_step_decoding,
+                    # (the probe of kv_dtype "auto" is one rank's forward pass: not with distributed)
+                    kv_dtype=self.config.kv_dtype if self.config.distributed is None else "model",
                     prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
                     cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
                     adapters=adapters,
@@ -806,6 +814,8 @@ class Engine:
             kv_bits=self.config.kv_bits,
             kv_group_size=self.config.kv_group_size if self.config.kv_bits is not None else None,
             preparations_abandoned=self._prep.abandoned,
+            kv_cache=w.kv_description if w is not None and w.kv_half is not None else "",
+            prefix_cache_budget=w.prefix_cache_bytes if w is not None else 0,
         )
 
     # -- internals -------------------------------------------------------------

@@ -127,6 +127,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
+PREFIX_CACHE_CAP = 1 << 30
+"""The most the prefix cache's memory tier keeps when its budget is sized to the model."""
+
+_PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Numbers: 3.14159, 2718, -42.\n"
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    "Traduis en français : « bonjour », 日本語のテキスト, {\"key\": [1, 2, 3]}"
+)
+"""Text whose keys and values ``kv_dtype="auto"`` checks against float16's range."""
+
 _DISK_GAIN = 4
 """The disk tier serves a prompt when the tokens it holds beyond the memory
 tier's answer, times this, reach its entry's length: reading an entry costs
@@ -191,8 +201,9 @@ class Worker:
         max_batch: int,
         prefill_batch: int,
         prefill_step: int,
-        prefix_cache_bytes: int,
+        prefix_cache_bytes: int | None,
         prefill_step_decoding: int = 0,
+        kv_dtype: str = "model",
         model_key: str,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_disk_bytes: int = 0,
@@ -214,7 +225,10 @@ class Worker:
         self.prefill_batch = prefill_batch
         self.prefill_step = prefill_step
         self.prefill_step_decoding = prefill_step_decoding
-        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache_budget = prefix_cache_bytes  # None: sized to the model at setup
+        self.prefix_cache_bytes = prefix_cache_bytes if prefix_cache_bytes is not None else 0
+        self.kv_dtype = kv_dtype
+        self.kv_half: bool | None = None  # decided once, at the first setup
         self.model_key = model_key
         self.cache_dir = cache_dir
         self.cache_disk_bytes = cache_disk_bytes
@@ -282,6 +296,7 @@ class Worker:
 
         self.mx = mx
         self.stream = mx.new_stream(mx.default_device())
+        self._resolve_memory()
         eos = sorted(self.tokenizer.eos_token_ids)
         self.gen: EngineBatchGenerator = EngineBatchGenerator(
             self.model,
@@ -298,6 +313,7 @@ class Worker:
             stream=self.stream,
             kv_bits=self.kv_bits,
             kv_group_size=self.kv_group_size,
+            kv_half=bool(self.kv_half),
         )
         self.prefix_cache: LRUPromptCache = self._new_prefix_cache()
         if self.cache_dir is not None and self.disk is None:
@@ -318,6 +334,39 @@ class Worker:
         from .._mlx.blas import confirm
 
         self.blas = confirm().name
+
+    def _resolve_memory(self) -> None:
+        """Once per worker: the KV cache's element type (``kv_dtype``; ``auto``
+        probes the model, see ``afm_core._mlx.half_cache``) and, when not
+        given, the prefix cache's budget: the KV cache of one request filling
+        the model's context, at most ``PREFIX_CACHE_CAP``."""
+        if self.kv_half is not None:
+            return
+        from .._mlx.half_cache import fits_half
+
+        if self.kv_bits is not None or self.kv_dtype == "model":
+            self.kv_half = False
+        elif self.kv_dtype == "float16":
+            self.kv_half = True
+        else:
+            with self.mx.stream(self.stream):
+                self.kv_half = fits_half(self.model, list(self.tokenizer.encode(_PROBE_TEXT)))
+            self.mx.clear_cache()
+        if self.prefix_cache_budget is None:
+            context = _context_length(self.model)
+            per_token = _kv_bytes_per_token(self.model, self.kv_bits, self.kv_group_size,
+                                            half=bool(self.kv_half))
+            self.prefix_cache_bytes = min(PREFIX_CACHE_CAP, per_token * context) if per_token and context \
+                else PREFIX_CACHE_CAP
+        log.info("KV cache: %s; prefix cache budget %d MiB", self.kv_description,
+                 self.prefix_cache_bytes >> 20)
+
+    @property
+    def kv_description(self) -> str:
+        """``float16``, ``float32`` (the model's type) or e.g. ``8-bit (groups of 64)``."""
+        if self.kv_bits is not None:
+            return f"{self.kv_bits}-bit (groups of {self.kv_group_size})"
+        return "float16" if self.kv_half else "the model's type"
 
     def _speculation(self) -> Speculation | None:
         """The decode batch's speculative decoding (a draft model if given, else
@@ -342,8 +391,11 @@ class Worker:
 
     @property
     def kv_format(self) -> str:
-        """The KV cache's format, ``""`` (float) or e.g. ``"q8g64"`` (see ``model_fingerprint``)."""
-        return "" if self.kv_bits is None else f"q{self.kv_bits}g{self.kv_group_size}"
+        """The KV cache's format, ``""`` (the model's float type), ``"f16"`` or
+        e.g. ``"q8g64"`` (see ``model_fingerprint``)."""
+        if self.kv_bits is not None:
+            return f"q{self.kv_bits}g{self.kv_group_size}"
+        return "f16" if self.kv_half else ""
 
     @property
     def caching(self) -> bool:
@@ -874,7 +926,7 @@ class Worker:
         events.append(usage)
         if job.profile is not None:
             mx = self.mx
-            per_token = _kv_bytes_per_token(self.model, self.kv_bits, self.kv_group_size)
+            per_token = _kv_bytes_per_token(self.model, self.kv_bits, self.kv_group_size, half=bool(self.kv_half))
             kv = per_token * (len(job.prompt) + job.completion_tokens)
             payload = job.profile.payload(
                 prompt_tokens=len(job.prompt),
@@ -999,10 +1051,21 @@ def _vocab_size(model: nn.Module) -> int:
     return int(getattr(args, "vocab_size", 0) or 1 << 30)
 
 
-def _kv_bytes_per_token(model: nn.Module, kv_bits: int | None = None, group_size: int = 64) -> int:
+def _context_length(model: nn.Module) -> int:
+    """The model's context length from its config (0 if it gives none)."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "max_seq_len", "n_ctx", "context_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _kv_bytes_per_token(model: nn.Module, kv_bits: int | None = None, group_size: int = 64,
+                        half: bool = False) -> int:
     """K and V bytes one token adds to the cache (estimate from the config:
-    float32, or ``kv_bits`` per element plus a float32 scale and bias per
-    ``group_size`` elements)."""
+    float32 (float16 with ``half``), or ``kv_bits`` per element plus a
+    float32 scale and bias per ``group_size`` elements)."""
     args = getattr(model, "args", None)
     if args is None:
         return 0
@@ -1011,5 +1074,5 @@ def _kv_bytes_per_token(model: nn.Module, kv_bits: int | None = None, group_size
     hidden = getattr(args, "hidden_size", 0) or 0
     n_heads = getattr(args, "num_attention_heads", 0) or 1
     head_dim = getattr(args, "head_dim", None) or (hidden // n_heads if hidden else 0)
-    per_element = 4.0 if kv_bits is None else kv_bits / 8 + 2 * 4 / group_size
+    per_element = (2.0 if half else 4.0) if kv_bits is None else kv_bits / 8 + 2 * 4 / group_size
     return int(2 * layers * heads * head_dim * per_element)

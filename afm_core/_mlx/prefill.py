@@ -77,6 +77,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Occupancy, install, occupancy
+from .half_cache import to_half
 from .lora import AdapterRows
 from .quantized_cache import check_quantizable, make_quantized_cache
 from .speculative import Speculation
@@ -307,7 +308,8 @@ class EngineBatchGenerator(BatchGenerator):
 
     With ``kv_bits`` (4 or 8) every row's cache is quantized from its first
     token (:mod:`.quantized_cache`, ``kv_group_size`` elements per scale);
-    a model whose cache cannot be is refused here (ValueError).
+    a model whose cache cannot be is refused here (ValueError).  Otherwise,
+    with ``kv_half``, the plain KV layers store float16 (:mod:`.half_cache`).
 
     With ``prefill_step_decoding`` > 0 a step prefills smaller chunks while
     streams decode (see the module docstring; ``full_step`` is the
@@ -320,7 +322,7 @@ class EngineBatchGenerator(BatchGenerator):
     after each :meth:`next`."""
 
     def __init__(self, model: Any, *, logprob_uids: set[int], adapters: AdapterRows | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = 64,
+                 kv_bits: int | None = None, kv_group_size: int = 64, kv_half: bool = False,
                  speculation: Speculation | None = None, prefill_step_decoding: int = 0,
                  **kw: Any) -> None:
         super().__init__(model, **kw)
@@ -332,6 +334,7 @@ class EngineBatchGenerator(BatchGenerator):
         self.speculation = speculation
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
+        self.kv_half = kv_half and kv_bits is None
         if kv_bits is not None:
             check_quantizable(model, kv_group_size)
         self.prompt_scores: dict[int, PromptScores] = {}
@@ -359,8 +362,10 @@ class EngineBatchGenerator(BatchGenerator):
         or :meth:`forget_scores`.
         Without ``cache`` the row starts on :meth:`new_cache`.
         """
-        if cache is None and self.kv_bits is not None:
+        if cache is None and (self.kv_bits is not None or self.kv_half):
             cache = self.new_cache()
+        elif cache is not None and self.kv_half:
+            to_half(cache)  # (a prefix cache entry read back from disk is mlx-lm's class)
         (uid,) = self.insert(
             [prompt], max_tokens=[max_tokens], caches=[cache] if cache is not None else None,
             all_tokens=[all_tokens], samplers=[sampler], logits_processors=[logits_processors],
@@ -376,10 +381,12 @@ class EngineBatchGenerator(BatchGenerator):
         return int(uid)
 
     def new_cache(self) -> list[Any]:
-        """An empty single-sequence cache for a row: mlx-lm's, or with
-        ``kv_bits`` a quantized one (:mod:`.quantized_cache`)."""
+        """An empty single-sequence cache for a row: mlx-lm's, with ``kv_half``
+        its float16 twin (:mod:`.half_cache`), or with ``kv_bits`` a
+        quantized one (:mod:`.quantized_cache`)."""
         if self.kv_bits is None:
-            return list(make_prompt_cache(self.model))
+            cache = list(make_prompt_cache(self.model))
+            return to_half(cache) if self.kv_half else cache
         return make_quantized_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
 
     def forget_scores(self, uid: int) -> None:

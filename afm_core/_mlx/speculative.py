@@ -88,6 +88,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from . import half_cache
 from . import qmatmul as _qmm
 from .batch import process_rows
 from .quantized_cache import BatchQuantizedKVCache
@@ -111,7 +112,7 @@ _STEP_TIMEOUT = 2.0
 """Seconds between two steps beyond which the engine was idle between them
 (not counted as a step's time)."""
 
-_TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache)
+_TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache, half_cache.BatchKVCache)
 """Batch caches a verify step can trim back."""
 
 

@@ -150,7 +150,8 @@ async def test_prompt_logprobs_equal_a_direct_forward_pass(random_model_dir: Pat
     # longer than one scoring span (256) and, at prefill_step 100, several prefill chunks
     ids = [rng.randrange(3, 1000) for _ in range(300)]
     ref = forward_logprobs(model, ids)
-    async with open_engine(random_model_dir, prefill_step=prefill_step) as engine:
+    # (kv_dtype "model": the reference is a float32 forward pass; a float16 cache rounds keys and values)
+    async with open_engine(random_model_dir, prefill_step=prefill_step, kv_dtype="model") as engine:
         events, scored = await run(engine, raw(ids, max_tokens=2, temperature=0, logprobs=3, echo=True))
         assert scored is not None
         assert scored.ids == tuple(ids)

@@ -468,7 +468,8 @@ async def test_prefix_cache_memory_is_what_its_budget_counts(random_model_dir: P
     """Saved prefixes hold their own KV, not the whole batch buffer they came from."""
     import mlx.core as mx
 
-    async with open_engine(random_model_dir, max_batch=8) as engine:
+    # (a budget for all 32: the default, sized to the tiny model's context, keeps fewer)
+    async with open_engine(random_model_dir, max_batch=8, prefix_cache_bytes=1 << 30) as engine:
         worker = engine._worker
         assert worker is not None
         await engine.complete(req("warm up", max_tokens=2, temperature=0))

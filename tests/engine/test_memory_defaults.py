@@ -1,0 +1,54 @@
+"""The engine's memory defaults: a float16 KV cache where the model computes
+in float32 and its keys and values fit (``kv_dtype="auto"``), and a prefix
+cache sized to the model (the KV cache of one request filling its context)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from afm_core import CompletionRequest, Usage, open_engine
+from afm_core._engine.engine import Engine
+from afm_core._mlx.half_cache import KVCache
+
+
+def raw(ids: list[int], **kw: object) -> CompletionRequest:
+    return CompletionRequest.from_openai({"temperature": 0, "ignore_eos": True, **kw}, tuple(ids))
+
+
+async def drain(engine: Engine, request: CompletionRequest) -> None:
+    async with engine.stream(request) as s:
+        events = [e async for e in s]
+    assert isinstance(events[-1], Usage)
+
+
+def kv_bytes_per_token(model_dir: Path, element: int) -> int:
+    c = json.loads((model_dir / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * element
+
+
+async def test_float16_kv_and_a_prefix_cache_sized_to_the_model(random_model_dir: Path) -> None:
+    context = json.loads((random_model_dir / "config.json").read_text())["max_position_embeddings"]
+    async with open_engine(random_model_dir, warmup=False) as engine:
+        s = engine.statistics()
+        assert s.kv_cache == "float16"
+        assert s.prefix_cache_budget == kv_bytes_per_token(random_model_dir, 2) * context
+        ids = list(range(3, 200))
+        await drain(engine, raw(ids, max_tokens=4))
+        worker = engine._worker
+        assert worker is not None
+        # the finished request's cache, as the prefix cache keeps it (a copy)
+        cache, rest = worker.prefix_cache.fetch_nearest_cache(worker.model_key, ids)
+        assert cache is not None and len(rest) <= 1
+        assert all(type(c) is KVCache and c.keys.dtype == mx.float16 for c in cache)
+
+
+async def test_the_model_s_type_and_an_explicit_budget(random_model_dir: Path) -> None:
+    async with open_engine(random_model_dir, warmup=False, kv_dtype="model",
+                           prefix_cache_bytes=123 << 20) as engine:
+        s = engine.statistics()
+        assert s.kv_cache == "the model's type" and s.prefix_cache_budget == 123 << 20
+        await drain(engine, raw(list(range(3, 50)), max_tokens=2))
