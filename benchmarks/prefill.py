@@ -16,11 +16,22 @@ replaced by the next prompt in the same step, 4 x C requests of
 
 Both must produce the same tokens, which is checked.  The default model is the
 random tiny test model (float32).
+
+Long prompts against llama.cpp on the same GGUF (time to first token and
+peak RSS, each measurement in a process of its own, afm and llama.cpp
+alternating; see ``_long_prompt.py``)::
+
+    .venv/bin/python benchmarks/prefill.py --long 512,4096,8000 [--model default|DIR] [--gguf FILE]
+        [--rounds 2] [--threads 2]
+
+``--model default`` (the default with ``--long``) pairs afm's default model
+with the GGUF it was converted from; another directory needs ``--gguf``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import deque
@@ -89,7 +100,14 @@ def main() -> None:
     ap.add_argument("--levels", default="8,32,64")
     ap.add_argument("--requests-per-slot", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long", default="", help="prompt lengths: TTFT and RSS against llama.cpp")
+    ap.add_argument("--gguf", type=Path, default=None, help="llama.cpp's GGUF (with --long)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.long:
+        long_prompts(args)
+        return
     model, tok, path = load_model(args.model)
     fuse_for_cpu(model)
     print(f"model: {path}  device: {mx.default_device()}\n")
@@ -110,6 +128,25 @@ def main() -> None:
             partial(closed_loop, model, prompts, max_tokens, c, True),
             f"C={c}: the engine's prefill")
         print(f"{c:>4} {rows[False]:>19} {rows[True]:>8} {columns}")
+
+def long_prompts(args: argparse.Namespace) -> None:
+    from _long_prompt import compare
+
+    from afm_core import resolve_model
+    from afm_core._models.default_model import GGUF_NAME, afm_home
+
+    if args.model is None:
+        model = Path(resolve_model(None))
+        gguf = args.gguf or afm_home() / "downloads" / GGUF_NAME
+    else:
+        model, gguf = args.model, args.gguf
+        if gguf is None:
+            raise SystemExit("--long with --model DIR needs --gguf FILE (the same weights for llama.cpp)")
+    lengths = [int(x) for x in args.long.split(",")]
+    print(f"afm: {model}\nllama.cpp: {gguf}\n{args.threads} threads each, {args.rounds} rounds, "
+          f"interleaved; load average now {os.getloadavg()[0]:.1f}\n")
+    compare(str(model), str(gguf), lengths, args.rounds, args.threads)
+
 
 if __name__ == "__main__":
     main()
