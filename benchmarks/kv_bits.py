@@ -1,7 +1,8 @@
-"""A quantized KV cache (``--kv-bits``) against float KV on one model.
+"""KV cache formats on one model: float32, float16 (``--kv-dtype``) and quantized (``--kv-bits``).
 
-For ``float``, ``8`` and ``4`` bits (``EngineConfig.kv_bits``, group size
-64) this reports:
+For ``float32`` (``kv_dtype="model"`` on afm's float32 CPU models),
+``float16`` (``kv_dtype="float16"``, the default's choice there), ``8`` and
+``4`` bits (``EngineConfig.kv_bits``, group size 64) this reports:
 
 * **KV bytes per token**: the model's own cache arrays after prefilling
   ``--memory-tokens`` tokens (a multiple of the caches' 256-position step, so
@@ -20,13 +21,17 @@ For ``float``, ``8`` and ``4`` bits (``EngineConfig.kv_bits``, group size
   ``8-bit mlx-lm``): the same engine, the fused kernel
   (``qmm_ext.quantized_decode_attention``) switched off for those requests
   only, so before and after take turns in one run.
-* **greedy agreement with float KV** over 8 fixed chat prompts x
+* **greedy agreement with float32 KV** over 8 fixed chat prompts x
   ``--agree-tokens`` tokens, all in flight together (a batch): the fraction
-  of tokens identical up to each prompt's first divergence from the float
+  of tokens identical up to each prompt's first divergence from the float32
   engine's tokens, and how many prompts match in full.
+* **perplexity** of the first ``--ppl-tokens`` tokens of the repository's
+  README (the prompt's own log-probabilities, ``echo`` scoring, computed
+  over that format's cache as it is prefilled).
 
     .venv/bin/python benchmarks/kv_bits.py [--model default|random|DIR] [--rounds 3]
-        [--contexts 512,2048] [--decode-tokens 64] [--agree-tokens 64] [--mlx-lm-attention]
+        [--contexts 512,2048] [--decode-tokens 64] [--agree-tokens 64] [--ppl-tokens 1024]
+        [--mlx-lm-attention]
 """
 
 from __future__ import annotations
@@ -53,15 +58,23 @@ PROMPTS = [
     "What are the planets of the solar system?",
     "Summarize the plot of Romeo and Juliet.",
 ]
-SETTINGS: tuple[int | None, ...] = (None, 8, 4)
+SETTINGS: tuple[int | str, ...] = ("float32", "float16", 8, 4)
+"""The formats: a float type (``kv_dtype``) or bits (``kv_bits``)."""
+REFERENCE = "float32"
 
 
-Variant = tuple[int | None, bool]
-"""A decode-rate row: the KV bits and whether mlx-lm's quantized attention replaces the kernel."""
+def engine_options(setting: int | str) -> dict[str, Any]:
+    if isinstance(setting, str):
+        return {"kv_dtype": "model" if setting == "float32" else setting}
+    return {"kv_bits": setting}
 
 
-def label(bits: int | None, mlx_lm: bool = False) -> str:
-    return ("float" if bits is None else f"{bits}-bit") + (" mlx-lm" if mlx_lm else "")
+Variant = tuple[int | str, bool]
+"""A decode-rate row: the format and whether mlx-lm's quantized attention replaces the kernel."""
+
+
+def label(setting: int | str, mlx_lm: bool = False) -> str:
+    return (setting if isinstance(setting, str) else f"{setting}-bit") + (" mlx-lm" if mlx_lm else "")
 
 
 @contextlib.contextmanager
@@ -78,20 +91,26 @@ def mlx_lm_attention(on: bool) -> Any:
         attention._applies_quantized = real  # type: ignore[assignment]
 
 
-def kv_bytes_per_token(path: Path, tokens: int) -> dict[int | None, float]:
+def kv_bytes_per_token(path: Path, tokens: int) -> dict[int | str, float]:
     """Each setting's cache bytes per token, from the arrays themselves."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
+    from afm_core._mlx.half_cache import to_half
     from afm_core._mlx.quantized_cache import make_quantized_cache
 
     model, _ = mlx_lm.load(str(path))
     ids = mx.array([[(i * 7919) % 1000 + 10 for i in range(tokens)]])
-    out = {}
+    out: dict[int | str, float] = {}
     for bits in SETTINGS:
-        cache = make_prompt_cache(model) if bits is None else make_quantized_cache(model, bits=bits, group_size=64)
+        if isinstance(bits, str):
+            cache = make_prompt_cache(model)
+            if bits == "float16":
+                to_half(cache)
+        else:
+            cache = make_quantized_cache(model, bits=bits, group_size=64)
         model(ids, cache=cache)
         arrays = [x for _, x in tree_flatten([(c.keys, c.values) for c in cache])]
         mx.eval(arrays)
@@ -109,6 +128,26 @@ async def decode_rate(engine: Any, ids: list[int], n: int) -> float:
         events = [e async for e in s]
     profile = next(e for e in events if isinstance(e, Profile)).payload
     return float(profile["decode_tok_s"])
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+async def perplexity(engine: Any, text: str, n: int) -> float:
+    """exp(-mean log-probability) of the first ``n`` tokens of ``text``, as the engine scores them."""
+    import math
+
+    from afm_core import CompletionRequest
+
+    ids = engine._tokenizer.encode(text)[:n]
+    req = CompletionRequest.from_openai({"max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0},
+                                        tuple(ids))
+    async with engine.stream(req) as s:
+        async for _ in s:
+            pass
+        scored = s.prompt_logprobs
+    lps = [x for x in scored.logprobs if x is not None]
+    return math.exp(-sum(lps) / len(lps))
 
 
 async def greedy_batch(engine: Any, n: int) -> list[list[int]]:
@@ -151,13 +190,15 @@ async def main(args: argparse.Namespace) -> None:
     per_token = kv_bytes_per_token(path, args.memory_tokens)
     variants: list[Variant] = [(b, False) for b in SETTINGS]
     if args.mlx_lm_attention:
-        variants += [(b, True) for b in SETTINGS if b is not None]
+        variants += [(b, True) for b in SETTINGS if not isinstance(b, str)]
     rates: dict[tuple[Variant, int], list[float]] = {(v, c): [] for v in variants for c in contexts}
     async with contextlib.AsyncExitStack() as stack:
-        engines = {b: await stack.enter_async_context(open_engine(path, kv_bits=b, prefix_cache_bytes=0,
-                                                                  max_batch=8))
+        engines = {b: await stack.enter_async_context(open_engine(path, prefix_cache_bytes=0, max_batch=8,
+                                                                  **engine_options(b)))
                    for b in SETTINGS}
         tokens = {b: await greedy_batch(engines[b], args.agree_tokens) for b in SETTINGS}
+        text = await trio.to_thread.run_sync(README.read_text)
+        ppl = {b: await perplexity(engines[b], text, args.ppl_tokens) for b in SETTINGS}
         for r in range(args.rounds):
             for ctx in contexts:
                 ids = [(i * 104729 + r) % 20000 + 100 for i in range(ctx)]
@@ -167,19 +208,20 @@ async def main(args: argparse.Namespace) -> None:
             print(f"round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{label(*v)} @{c} {xs[-1]:.1f}" for (v, c), xs in rates.items()), flush=True)
 
-    head = ["KV", "bytes/token", "vs float"]
+    head = ["KV", "bytes/token", f"vs {REFERENCE}"]
     head += [f"decode tok/s @{c} (median, range)" for c in contexts]
-    head += [f"agreement ({len(PROMPTS)}x{args.agree_tokens})", "full matches"]
+    head += [f"agreement ({len(PROMPTS)}x{args.agree_tokens})", "full matches",
+             f"perplexity ({args.ppl_tokens} tokens)"]
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for v in variants:
         b = v[0]
-        row = [label(*v), f"{per_token[b]:,.0f}", f"{per_token[b] / per_token[None]:.3f}"]
+        row = [label(*v), f"{per_token[b]:,.0f}", f"{per_token[b] / per_token[REFERENCE]:.3f}"]
         for c in contexts:
             xs = rates[(v, c)]
             row.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
-        frac, full = agreement(tokens[None], tokens[b])
-        row += [f"{frac:.3f}", f"{full}/{len(PROMPTS)}"] if not v[1] else ["", ""]
+        frac, full = agreement(tokens[REFERENCE], tokens[b])
+        row += [f"{frac:.3f}", f"{full}/{len(PROMPTS)}", f"{ppl[b]:.4f}"] if not v[1] else ["", "", ""]
         print("| " + " | ".join(row) + " |")
 
 
@@ -191,6 +233,7 @@ if __name__ == "__main__":
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--memory-tokens", type=int, default=512)
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="README tokens scored for the perplexity")
     p.add_argument("--mlx-lm-attention", action="store_true",
                    help="also time the quantized settings through mlx-lm's attention (the unfused path)")
     trio.run(main, p.parse_args())

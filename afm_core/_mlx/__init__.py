@@ -15,7 +15,10 @@ embeddings pooled from the model body's final hidden states
 (:mod:`.embeddings`, which calls mlx-lm's ``model.model``), a quantized KV cache
 that batches (:mod:`.quantized_cache`: mlx-lm's ``QuantizedKVCache`` rows
 and a ``BatchKVCache`` counterpart over its quantized triples, for
-``kv_bits``), and the batch
+``kv_bits``), a float16 KV cache for float32 models (:mod:`.half_cache`,
+``kv_dtype``), the CPU attention kernels' entry points (:mod:`.attention`:
+decode, and flash-style prefill for prompts) and the MLP's SwiGLU as one
+operation (:mod:`.activations`), and the batch
 generator of a model sharded over an ``mx.distributed`` group, whose tokens
 are sampled on rank 0 and shared (:mod:`.distributed`), and speculative
 decoding inside the decode batch (:mod:`.speculative`: prompt lookup and
