@@ -223,6 +223,30 @@ class AfmSwiglu : public mx::Primitive {
   }
   const char* name() const override { return "AfmSwiglu"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
+  // Gradients in MLX's own operations (a model whose module has the kernel can
+  // still be trained in the same process: a LoRA adapter, say):
+  // d/dg = u * s * (1 + g * (1 - s)), d/du = g * s, s = sigmoid(g).
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    const auto s = stream();
+    const mx::array& g = primals[0];
+    const mx::array& u = primals[1];
+    const mx::array& c = cotangents[0];
+    const mx::array sig = mx::sigmoid(g, s);
+    std::vector<mx::array> grads;
+    for (const int arg : argnums) {
+      if (arg == 0) {
+        const mx::array one = mx::array(1.0f, g.dtype());
+        const mx::array slope =
+            mx::multiply(sig, mx::add(one, mx::multiply(g, mx::subtract(one, sig, s), s), s), s);
+        grads.push_back(mx::multiply(c, mx::multiply(u, slope, s), s));
+      } else {
+        grads.push_back(mx::multiply(c, mx::multiply(g, sig, s), s));
+      }
+    }
+    return grads;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {in[0].shape()};
   }

@@ -112,3 +112,20 @@ def test_a_fused_model_uses_it_and_gives_it_back(random_model_dir):
     assert module.swiglu is before
     if before is mlx_swiglu:  # the last user gave mlx-lm's function back
         assert _activations._users.get(module.__name__) is None
+
+
+@needs_ext
+def test_gradients_match_mlx_lm():
+    """A model whose module has the kernel can be trained (a LoRA adapter in the same process)."""
+    mx.random.seed(7)
+    g = mx.random.normal((3, 5, 64)) * 4.0
+    u = mx.random.normal((3, 5, 64))
+    w = mx.random.normal((3, 5, 64))
+
+    def loss(fn):
+        return lambda a, b: (fn(a, b) * w).sum()
+
+    got = mx.grad(loss(ext.swiglu), argnums=(0, 1))(g, u)
+    want = mx.grad(loss(mlx_swiglu), argnums=(0, 1))(g, u)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
