@@ -72,6 +72,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as _base
 
 from . import qmatmul as _qmm
+from .reference_ops import kernels_allowed
 
 __all__ = ["MAX_QUERY_POSITIONS", "restore_decode_attention", "scaled_dot_product_attention",
            "use_decode_attention"]
@@ -174,7 +175,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
                                  sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``, through the decode kernel
     where it applies."""
-    ext = _qmm.extension()
+    ext = _qmm.extension() if kernels_allowed() else None
     if ext is not None and _applies_prefill(queries, keys, values, cache, mask, sinks) and _prefill_enabled():
         return _prefill(ext, queries, keys, values, cache, scale, mask)
     if ext is not None and _applies_quantized(queries, keys, values, cache, mask, sinks):

@@ -44,6 +44,8 @@ def make_lora_adapter(
     from mlx_lm.tuner.trainer import default_loss
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
+    from .._mlx.reference_ops import mlx_lm_operations
+
     mx.random.seed(seed)
     model, tokenizer = mlx_lm.load(str(model_dir))[:2]
     model.freeze()
@@ -63,10 +65,11 @@ def make_lora_adapter(
         opt = optim.Adam(learning_rate=learning_rate)
         step = nn.value_and_grad(model, lambda m, b, ln: default_loss(m, b, ln)[0])
         model.train()
-        for _ in range(iters):
-            _, grads = step(model, batch, lengths)
-            opt.update(model, grads)
-            mx.eval(model.trainable_parameters(), opt.state)
+        with mlx_lm_operations():  # (a model served in this process may have rebound them to kernels)
+            for _ in range(iters):
+                _, grads = step(model, batch, lengths)
+                opt.update(model, grads)
+                mx.eval(model.trainable_parameters(), opt.state)
         model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

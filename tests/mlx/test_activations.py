@@ -127,5 +127,5 @@ def test_gradients_match_mlx_lm():
 
     got = mx.grad(loss(ext.swiglu), argnums=(0, 1))(g, u)
     want = mx.grad(loss(mlx_swiglu), argnums=(0, 1))(g, u)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)

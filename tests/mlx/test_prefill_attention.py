@@ -356,3 +356,26 @@ def test_model_prefill_through_the_kernel(isa, model_dir, monkeypatch, kv_bits):
         unfuse_cpu_kernels(model)  # (gives the module-wide names back)
     assert np.max(np.abs(kernel_logits - mlx_logits)) <= 1e-4 * np.max(np.abs(mlx_logits))
     assert kernel_tokens == mlx_tokens
+
+
+@needs_ext
+@pytest.mark.skipif(not _attention._prefill_enabled(), reason="the prefill kernel is switched off")
+def test_training_takes_mlx_lm_attention_inside_mlx_lm_operations():
+    """The prefill kernel has no gradient: a model trained in a process where a
+    served model rebound mlx-lm's attention does it inside mlx_lm_operations()."""
+    from mlx_lm.models.base import scaled_dot_product_attention as mlx_attention
+
+    from afm_core._mlx.reference_ops import mlx_lm_operations
+
+    mx.random.seed(3)
+    q, k, v = (mx.random.normal((1, 2, 40, 64)) for _ in range(3))
+
+    def loss(attend: Any) -> Any:
+        return lambda q: attend(q, k, v, cache=None, scale=0.125, mask="causal").sum()
+
+    with pytest.raises(ValueError, match="vjp"):  # outside: the kernel, which cannot be differentiated
+        mx.eval(mx.grad(loss(_attention.scaled_dot_product_attention))(q))
+    with mlx_lm_operations():
+        got = mx.grad(loss(_attention.scaled_dot_product_attention))(q)
+    want = mx.grad(loss(mlx_attention))(q)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
