@@ -79,6 +79,7 @@ async def test_route_table(echo_model_dir: Path) -> None:
         ("/v1/responses/<response_id>/input_items", get),
         ("/tokenize", post),
         ("/detokenize", post),
+        ("/tokenizer_info", get),
         ("/v1/embeddings", post),
         ("/v1/models", get),
         ("/v1/models/<path:model_id>", get),
