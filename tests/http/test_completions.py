@@ -133,7 +133,8 @@ async def test_sdk_list_of_prompts_and_token_ids(echo_model_dir: Path) -> None:
 async def test_sdk_logprobs_and_echo_score_the_prompt(random_model_dir: Path,
                                                       random_mlx: tuple[Any, Any]) -> None:
     model, tok = random_mlx
-    async with running_server(random_model_dir) as (url, _):
+    # (kv_dtype "model": the reference is a float32 forward pass; a float16 cache rounds keys and values)
+    async with running_server(random_model_dir, kv_dtype="model") as (url, _):
         client = sdk(url)
         prompt = "The capital of France is"
         ids = tok.encode(prompt)
@@ -214,7 +215,7 @@ async def test_lm_eval_loglikelihood_payload(random_model_dir: Path, random_mlx:
     prompts = [context + cont for cont in continuations]
     payload = {"model": "m", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
                "seed": 1234, "echo": True}
-    async with running_server(random_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+    async with running_server(random_model_dir, kv_dtype="model") as (url, _), httpx.AsyncClient(base_url=url) as c:
         r = await c.post(COMPLETIONS, json=payload)
         assert r.status_code == 200, r.text
         out = r.json()
