@@ -68,8 +68,9 @@ is a 400 (``previous_response_has_choices``); send the chosen choice's items
 as input instead.
 
 The events, each with ``type`` and a ``sequence_number`` counting from 0:
-``response.created`` and ``response.in_progress`` (status ``in_progress``);
-per output item ``response.output_item.added``, its content events, then
+``response.created`` and ``response.in_progress`` (status ``in_progress``;
+``response.in_progress`` again, the Response as it is then, as the keepalive
+while the engine is silent); per output item ``response.output_item.added``, its content events, then
 ``response.output_item.done``:
 
 * reasoning (``rs_…``): ``response.reasoning_summary_part.added``,
@@ -149,7 +150,6 @@ from .._stream.sse import dumps
 from .responses_items import Choice, Item, logprob_entry
 from .responses_request import ResponsesCall, new_id, parse, to_messages
 from .responses_store import StoredResponse
-from .writer import SSE_KEEPALIVE
 
 __all__ = [
     "ResponseWriter",
@@ -276,6 +276,16 @@ class ResponseWriter:
         if not self._started:
             self._started = True
             self._event(out, "response.created", response=self.response)
+            self._event(out, "response.in_progress", response=self.response)
+        return out
+
+    def keepalive(self) -> list[dict[str, Any]]:
+        """The engine has been silent a while (a long prefill, a wait for a slot):
+        ``response.in_progress`` again, with the Response as it is now.  Clients
+        whose idle timers count events, not SSE comments (Codex), see it; every
+        client that reads the Responses stream accepts it.  Nothing once done."""
+        out = self.start()
+        if not out and not self.done:
             self._event(out, "response.in_progress", response=self.response)
         return out
 
@@ -560,7 +570,7 @@ class Writer:
         return self._out(self.state.close(choice))
 
     def keepalive(self) -> bytes:
-        return SSE_KEEPALIVE if self.streaming else b""
+        return self._out(self.state.keepalive())
 
     def fail(self, message: str) -> bytes:
         return self._out(self.state.fail(message))

@@ -131,15 +131,27 @@ async def test_completions_keepalive_with_several_choices(echo_model_dir: Path) 
                        if ch["choices"][0]["index"] == index) == TEXT
 
 
-async def test_responses_keepalive_while_queued(echo_model_dir: Path) -> None:
+async def test_responses_keepalive_is_an_event(echo_model_dir: Path) -> None:
+    """/v1/responses keeps a waiting stream alive with ``response.in_progress`` events, not
+    comments: Codex's idle timer counts SSE events only."""
     async with running_server(echo_model_dir, server=FAST, max_batch=1) as (url, _), \
             httpx.AsyncClient(base_url=url) as c:
-        lines = await waiting_lines(c, RESPONSES)
-    # response.created and response.in_progress go out at once; the keepalives follow them
-    assert_keepalives_only_while_waiting(lines, before=2)
+        lines: list[str] = []
+        async with hogged(c), c.stream("POST", RESPONSES, json=WAITING[RESPONSES]) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if line == "event: response.in_progress" and lines.count(line) == 3:
+                    await release(c)  # two keepalives came while it waited
+    assert not any(line.startswith(":") for line in lines)
     events = data_events(lines)
-    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
-    assert events[-1]["type"] == "response.completed"
+    types = [e["type"] for e in events]
+    assert types[:4] == ["response.created"] + ["response.in_progress"] * 3
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for e in events[1:4]:
+        assert e["response"]["id"] == events[0]["response"]["id"]
+        assert e["response"]["status"] == "in_progress" and e["response"]["output"] == []
+    assert types[-1] == "response.completed"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
 
 
@@ -161,25 +173,28 @@ async def test_messages_pings_follow_the_setting(echo_model_dir: Path) -> None:
 
 
 class Tee(httpx.AsyncBaseTransport):
-    """An HTTP transport that notes when a response body carried a keepalive comment."""
+    """An HTTP transport that notes when a response body carried a keepalive (``marker``
+    ``times`` times: a comment, or the Responses stream's third ``response.in_progress``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, marker: bytes = KEEPALIVE.encode(), times: int = 1) -> None:
         self.inner = httpx.AsyncHTTPTransport()
         self.heard = trio.Event()
+        self.marker = marker
+        self.times = times
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
         raw = response.stream
         assert isinstance(raw, httpx.AsyncByteStream)
-        heard = self.heard
+        heard, marker, times = self.heard, self.marker, self.times
 
         class Stream(httpx.AsyncByteStream):
             async def __aiter__(self) -> AsyncIterator[bytes]:
-                tail = b""
+                body = b""
                 async for chunk in raw:
-                    if KEEPALIVE.encode() in tail + chunk:
+                    body += chunk
+                    if body.count(marker) >= times:
                         heard.set()
-                    tail = chunk[-16:]
                     yield chunk
 
             async def aclose(self) -> None:
@@ -194,12 +209,13 @@ class Tee(httpx.AsyncBaseTransport):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 async def test_openai_sdk_reads_through_keepalives(echo_model_dir: Path, api: str) -> None:
-    tee = Tee()
+    tee = Tee() if api == "chat" else Tee(b"event: response.in_progress", 3)
     async with running_server(echo_model_dir, server=FAST, max_batch=1) as (url, _), \
             httpx.AsyncClient(base_url=url) as c, httpx.AsyncClient(transport=tee) as http:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                     http_client=http)
         parts: list[str] = []
+        types: list[str] = []
         async with hogged(c):
             if api == "chat":
                 chat = await client.chat.completions.create(
@@ -214,6 +230,7 @@ async def test_openai_sdk_reads_through_keepalives(echo_model_dir: Path, api: st
 
                 async def read() -> None:
                     async for event in responses:
+                        types.append(event.type)
                         if event.type == "response.output_text.delta":
                             parts.append(event.delta)
 
@@ -222,6 +239,9 @@ async def test_openai_sdk_reads_through_keepalives(echo_model_dir: Path, api: st
                 await tee.heard.wait()  # the SDK is reading a body that carried a keepalive
                 await release(c)
         assert tee.heard.is_set() and "".join(parts) == TEXT
+        if api == "responses":  # the SDK parsed the repeated events as its own type
+            assert types[:4] == ["response.created"] + ["response.in_progress"] * 3
+            assert types[-1] == "response.completed"
 
 
 async def test_zero_sends_no_keepalive(echo_model_dir: Path) -> None:
@@ -244,3 +264,5 @@ async def test_zero_sends_no_keepalive(echo_model_dir: Path) -> None:
                 lines = [line async for line in r.aiter_lines()]
             assert not any(line.startswith(":") for line in lines), (path, lines[:5])
             assert data_events(lines), path
+            if path == RESPONSES:  # no repeated response.in_progress either
+                assert lines.count("event: response.in_progress") == 1
