@@ -61,7 +61,7 @@ TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
     "ollama-chat": lambda r: r["message"]["content"],
     "ollama-generate": lambda r: r["response"],
 }
-KEEPALIVE = {"chat": SSE_KEEPALIVE, "completions": SSE_KEEPALIVE, "responses": SSE_KEEPALIVE,
+KEEPALIVE = {"chat": SSE_KEEPALIVE, "completions": SSE_KEEPALIVE, "responses": None,
              "messages": b'event: ping\ndata: {"type":"ping"}\n\n', "ollama-chat": b"", "ollama-generate": b""}
 
 STEPS = [[ContentDelta("Hel")], [ContentDelta("lo"), ContentDelta(" there")], [Finish("stop"), Usage(3, 3)]]
@@ -107,7 +107,14 @@ def test_a_stream_that_ends_without_a_finish_fails(api: str) -> None:
 def test_fail_and_keepalive(api: str) -> None:
     streamed = make(api, True)
     assert b"a" in streamed.start() + streamed.feed(0, [ContentDelta("a")])
-    assert streamed.keepalive() == KEEPALIVE[api]
+    if api == "responses":  # response.in_progress again, the next sequence_number
+        ka = streamed.keepalive()
+        assert ka.startswith(b"event: response.in_progress\n") and ka.endswith(b"\n\n")
+        event = json.loads(ka.split(b"data: ", 1)[1])
+        assert event["response"]["status"] == "in_progress" and event["sequence_number"] == 5  # after created, in_progress, item, part, delta
+        assert event["response"]["output"][0]["content"][0]["text"] == "a"
+    else:
+        assert streamed.keepalive() == KEEPALIVE[api]
     failed = streamed.fail("stream failed: boom")
     assert b"stream failed: boom" in failed and streamed.done
     assert streamed.feed(0, [ContentDelta("b"), Finish("stop"), Usage(1, 2)]) == b""  # nothing follows
