@@ -38,7 +38,8 @@ __all__ = ["CORS_ALLOW_HEADERS", "CORS_EXPOSE_HEADERS", "install"]
 log = logging.getLogger("afm.http")
 
 CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Request-ID, X-AFM-Profile"
-CORS_EXPOSE_HEADERS = "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, Retry-After"
+CORS_EXPOSE_HEADERS = ("X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, X-AFM-Skipped-Tools, "
+                       "Retry-After")
 ANTHROPIC_CORS_ALLOW_HEADERS = CORS_ALLOW_HEADERS + ", X-Api-Key, Anthropic-Version, Anthropic-Beta"
 ANTHROPIC_CORS_EXPOSE_HEADERS = CORS_EXPOSE_HEADERS + ", Request-Id"
 

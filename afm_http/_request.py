@@ -11,7 +11,7 @@ from typing import Any
 
 from quart import g, request
 
-from afm_core import RequestError
+from afm_core import ChatRequest, RequestError
 
 from ._body import parse_json
 from ._registry import ModelChoice
@@ -20,10 +20,13 @@ from ._state import current_state
 
 __all__ = ["PROFILE_HEADER", "PROFILE_MODES", "PROGRESS_HEADER", "body_was_read", "model_choice",
            "profile_mode", "profile_requested", "progress_requested", "read_json", "request_id",
-           "request_id_or_none", "sent_a_body", "set_request_id"]
+           "request_id_or_none", "sent_a_body", "set_request_id", "skipped_tools_header"]
 
 PROGRESS_HEADER = "X-AFM-Progress"
 """``true`` asks a streamed response of any wire API for prompt-progress events."""
+
+SKIPPED_TOOLS_HEADER = "X-AFM-Skipped-Tools"
+"""The tool types of the body not offered to the model (hosted tools afm does not run)."""
 
 PROFILE_HEADER = "X-AFM-Profile"
 """``true`` or ``extended`` asks any generating wire API for the engine's profile
@@ -120,3 +123,8 @@ def profile_mode(value: str | None) -> str | None:
 def profile_requested() -> str | None:
     """The current request's :func:`profile_mode` (its ``X-AFM-Profile`` header)."""
     return profile_mode(request.headers.get(PROFILE_HEADER))
+
+
+def skipped_tools_header(chat: ChatRequest) -> dict[str, str]:
+    """``X-AFM-Skipped-Tools: web_search,...`` when the request's tools had some afm skipped."""
+    return {SKIPPED_TOOLS_HEADER: ",".join(chat.skipped_tools)} if chat.skipped_tools else {}

@@ -32,7 +32,11 @@ What maps to what:
   arguments); ``tool_result`` blocks become tool messages (before the
   turn's text); ``thinking`` blocks become the assistant's reasoning;
   ``redacted_thinking`` is dropped.  Images and documents are refused
-  (400, the model reads text only); so are server tools.
+  (400, the model reads text only).  Server tools (``web_search_*``,
+  ``web_fetch_*``, ``code_execution_*``, ``tool_search_tool_*``: Anthropic
+  runs them) are not offered to the model, and the response's
+  ``X-AFM-Skipped-Tools`` header names them; typed client tools
+  (``bash_*``, ``text_editor_*``, ``computer_*``) are refused (400).
 * ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` are the engine's
   ``auto`` / ``required`` / a named function / ``none``;
   ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
+from ._hosted import anthropic_server_tool
 from ._validate import as_float, json_object
 from .chat_request import ChatRequest
 
@@ -253,17 +254,22 @@ def _system(body: dict[str, Any], inside: list[str]) -> str | None:
     return "\n\n".join(sources) if sources else None
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
+def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, tuple[str, ...]]:
+    """(the client tools as chat tools, the server tools skipped, by type)."""
     if raw is None:
-        return None
+        return None, ()
     out = []
     names: set[str] = set()
+    skipped: list[str] = []
     for i, tool in enumerate(_list(raw, "tools")):
         p = f"tools.{i}"
         _dict(tool, p)
         kind = tool.get("type")
+        if anthropic_server_tool(kind):  # Anthropic runs it: not offered to the model here
+            skipped.append(kind)
+            continue
         if kind not in (None, "custom"):
-            raise UnsupportedError(f"{p}.type: server tool '{kind}' is not supported by this server; "
+            raise UnsupportedError(f"{p}.type: tool type '{kind}' is not supported by this server; "
                                    "define client tools with 'name' and 'input_schema'", param=p)
         name = _str(_required_in(tool, "name", p), f"{p}.name")
         if not TOOL_NAME.fullmatch(name):
@@ -278,7 +284,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         if tool.get("strict") is not None and _bool(tool["strict"], f"{p}.strict"):
             fn["strict"] = True
         out.append({"type": "function", "function": fn})
-    return out
+    return out, tuple(dict.fromkeys(skipped))
 
 
 def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[Any, bool]:
@@ -393,7 +399,7 @@ def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any
             messages.extend(_user(turn))
         else:
             messages.append(_assistant(turn))
-    tools = _tools(body.get("tools"))
+    tools, skipped = _tools(body.get("tools"))
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     enable_thinking, show_thinking = _thinking(body.get("thinking"), max_tokens)
     effort, response_format = _output_config(body.get("output_config"))
@@ -424,14 +430,18 @@ def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any
         chat["response_format"] = response_format
     extras = {"model": model, "stream": stream, "max_tokens": max_tokens or 0,
               "stop_sequences": _stop_sequences(body.get("stop_sequences")) if not count else (),
-              "show_thinking": show_thinking}
+              "show_thinking": show_thinking, "skipped": skipped}
     return chat, extras
 
 
 def parse_request(body: Any) -> MessagesRequest:
     """Validate a ``POST /v1/messages`` body; :class:`RequestError` (400) in Anthropic's words."""
     chat, extras = _chat_body(body, count=False)
-    return MessagesRequest(chat=ChatRequest.from_openai(chat), **extras)
+    skipped = extras.pop("skipped")
+    request = ChatRequest.from_openai(chat)
+    if skipped:
+        request = replace(request, skipped_tools=skipped)
+    return MessagesRequest(chat=request, **extras)
 
 
 def to_chat_request(body: Any) -> ChatRequest:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import UnsupportedError
+from ._hosted import OPENAI_SKIPPED
 from ._validate import (
     err,
     flag,
@@ -142,15 +143,20 @@ def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _tools(raw: Any) -> tuple[dict[str, Any], ...] | None:
+def _tools(raw: Any) -> tuple[tuple[dict[str, Any], ...] | None, tuple[str, ...]]:
+    """(the function tools, the skipped tool types)."""
     if raw is None:
-        return None
+        return None, ()
     if not isinstance(raw, list):
         raise err("'tools' must be an array", "tools")
     out = []
     names = set()
+    skipped: list[str] = []
     for i, t in enumerate(raw):
         p = f"tools[{i}]"
+        if isinstance(t, dict) and t.get("type") in OPENAI_SKIPPED:
+            skipped.append(t["type"])  # (custom tools, or a hosted type sent to chat)
+            continue
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise err("each tool must be {'type': 'function', 'function': {...}}", p)
         fn = t.get("function")
@@ -177,7 +183,7 @@ def _tools(raw: Any) -> tuple[dict[str, Any], ...] | None:
         if strict:
             entry["strict"] = True
         out.append({"type": "function", "function": entry})
-    return tuple(out)
+    return tuple(out) if out or not skipped else None, tuple(dict.fromkeys(skipped))
 
 
 def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> str | dict[str, Any]:
@@ -325,6 +331,9 @@ class ChatRequest:
     n: int = 1
     """Choices asked for.  The engine runs a request as one choice whatever its
     ``n``: open one stream per :meth:`per_choice` request (the HTTP layer does)."""
+    skipped_tools: tuple[str, ...] = ()
+    """The body's tools not offered to the model (hosted tools afm does not run:
+    :mod:`afm_core.api._hosted`), by type; the ``X-AFM-Skipped-Tools`` header."""
 
     def per_choice(self) -> tuple[ChatRequest, ...]:
         """One request per choice (``n`` of them, each with ``n`` = 1).  With a
@@ -345,7 +354,7 @@ class ChatRequest:
         stream = flag(body, "stream", False)
         usage = include_usage(body)
         progress = include_progress(body)
-        tools = _tools(body.get("tools"))
+        tools, skipped = _tools(body.get("tools"))
         max_tokens = integer(body, "max_completion_tokens", 1, MAX_INT, None)
         if max_tokens is None:
             max_tokens = integer(body, "max_tokens", 1, MAX_INT, None)
@@ -389,6 +398,7 @@ class ChatRequest:
             enable_thinking=enable_thinking,
             reasoning_effort=effort,
             n=n,
+            skipped_tools=skipped,
         )
 
     @property

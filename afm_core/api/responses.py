@@ -384,7 +384,7 @@ class ResponseWriter:
     # -- items ---------------------------------------------------------------------
 
     def _open(self, ch: Choice, kind: str, prefix: str, out: list[dict[str, Any]],
-              **kw: str) -> Item:
+              **kw: Any) -> Item:
         item = Item(kind, self._ids(prefix), len(self._items), ch.index,
                     tagged=len(self._choices) > 1, **kw)
         self._items.append(item)
@@ -471,8 +471,9 @@ class ResponseWriter:
             for other in (ch.reasoning, ch.message):
                 if other is not None:
                     self._close(other, "completed", out)
+            name, space = self.call.tool_name(event.name or "")
             item = self._open(ch, "function_call", "fc", out, call_id=event.id or self._ids("call"),
-                              name=event.name or "")
+                              name=name, namespace=space)
             ch.calls[event.index] = item
         if event.arguments:
             item.parts.append(event.arguments)

@@ -28,11 +28,11 @@ def logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
 class Item:
     """One output item while it streams."""
 
-    __slots__ = ("call_id", "choice", "id", "index", "kind", "logprobs", "name", "parts", "status",
-                 "tagged")
+    __slots__ = ("call_id", "choice", "id", "index", "kind", "logprobs", "name", "namespace", "parts",
+                 "status", "tagged")
 
     def __init__(self, kind: str, id: str, index: int, choice: int, *, tagged: bool = False,
-                 call_id: str = "", name: str = "") -> None:
+                 call_id: str = "", name: str = "", namespace: str | None = None) -> None:
         self.kind = kind
         self.id = id
         self.index = index
@@ -40,6 +40,8 @@ class Item:
         self.tagged = tagged
         self.call_id = call_id
         self.name = name
+        self.namespace = namespace
+        """A call to a function of a ``namespace`` tool: the namespace (``name`` is the function's)."""
         self.parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.status = "in_progress"
@@ -71,6 +73,8 @@ class Item:
         else:
             out = {"id": self.id, "type": "function_call", "status": status,
                    "arguments": self.text, "call_id": self.call_id, "name": self.name}
+            if self.namespace is not None:
+                out["namespace"] = self.namespace
         if self.tagged:  # n > 1: which choice the item belongs to (afm's extension)
             out["choice_index"] = self.choice
         return out

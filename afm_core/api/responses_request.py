@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
+from ._hosted import OPENAI_SKIPPED, joined
 from ._validate import count, err, flag, json_object, optional_str, valid_text
 from .chat_request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
 from .responses_store import StoredResponse
@@ -66,6 +67,16 @@ class ResponsesCall:
     stream: bool = False
     store: bool = True
     logprobs: bool = False
+    namespaced: tuple[tuple[str, str, str], ...] = ()
+    """Each function of a ``namespace`` tool: (the name offered to the model, its
+    namespace, its own name); a call to it goes out with ``name`` and ``namespace``."""
+
+    def tool_name(self, offered: str) -> tuple[str, str | None]:
+        """``(name, namespace)`` of the tool the model called as ``offered``."""
+        for flat, space, name in self.namespaced:
+            if flat == offered:
+                return name, space
+        return offered, None
 
     @property
     def n(self) -> int:
@@ -217,9 +228,12 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
         args = item.get("arguments")
         if not isinstance(args, str):
             raise err("'arguments' must be a JSON string", f"{p}.arguments")
-        return {"id": _item_id(item, "fc"), "type": "function_call",
-                "call_id": _required_str(item, "call_id", p), "name": _required_str(item, "name", p),
-                "arguments": valid_text(args, f"{p}.arguments"), "status": "completed"}
+        out = {"id": _item_id(item, "fc"), "type": "function_call",
+               "call_id": _required_str(item, "call_id", p), "name": _required_str(item, "name", p),
+               "arguments": valid_text(args, f"{p}.arguments"), "status": "completed"}
+        if item.get("namespace") is not None:  # a call to a tool of a namespace tool
+            out["namespace"] = _required_str(item, "namespace", p)
+        return out
     if kind == "function_call_output":
         if "output" not in item:
             raise err("a function call output needs 'output'", f"{p}.output")
@@ -290,8 +304,9 @@ def to_messages(items: Iterable[dict[str, Any]], *, instructions: str | None = N
             content.append(_item_text(item))
         elif kind == "function_call":
             call_ids.add(item["call_id"])
+            name = item["name"] if not item.get("namespace") else joined(item["namespace"], item["name"])
             calls.append({"id": item["call_id"], "type": "function",
-                          "function": {"name": item["name"], "arguments": item["arguments"]}})
+                          "function": {"name": name, "arguments": item["arguments"]}})
         elif kind == "function_call_output":
             flush()
             if item["call_id"] not in call_ids:
@@ -308,51 +323,96 @@ def to_messages(items: Iterable[dict[str, Any]], *, instructions: str | None = N
 # -- tools, formats, reasoning ----------------------------------------------------------
 
 
-def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the tools as the Response echoes them, the chat body's tools)."""
+def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[str, ...],
+                               tuple[tuple[str, str, str], ...]]:
+    """(the tools as the Response echoes them, the chat body's tools, the skipped tool
+    types, and each namespaced function as ``(offered name, namespace, name)``)."""
     if raw is None:
-        return [], []
+        return [], [], (), ()
     if not isinstance(raw, list):
         raise err("'tools' must be an array", "tools")
-    echo, chat = [], []
+    echo: list[dict[str, Any]] = []
+    chat: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    spaced: list[tuple[str, str, str]] = []
     names: set[str] = set()
     for i, t in enumerate(raw):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise err("each tool must be an object", p)
         kind = t.get("type")
-        if kind != "function":
-            if isinstance(kind, str) and kind:
-                raise UnsupportedError(f"tool type '{kind}' is not supported: afm runs function "
-                                       "tools only", param=f"{p}.type")
+        if kind == "function":
+            e, c = _function_tool(t, p, names)
+            echo.append(e)
+            chat.append(c)
+        elif kind == "namespace":
+            space = t.get("name")
+            if not isinstance(space, str) or not 1 <= len(space) <= 128:
+                raise err("a namespace tool needs a 'name' (1-128 characters)", f"{p}.name")
+            valid_text(space, f"{p}.name")
+            inner = t.get("tools")
+            if not isinstance(inner, list):
+                raise err("a namespace tool needs a 'tools' array", f"{p}.tools")
+            desc = t.get("description")
+            if desc is not None and not isinstance(desc, str):
+                raise err("'description' must be a string", f"{p}.description")
+            members: list[dict[str, Any]] = []
+            for j, member in enumerate(inner):
+                q = f"{p}.tools[{j}]"
+                if not isinstance(member, dict):
+                    raise err("each tool must be an object", q)
+                if member.get("type") != "function":
+                    if member.get("type") in OPENAI_SKIPPED:
+                        skipped.append(f"{space}.{member.get('name') or member['type']}")
+                        continue
+                    raise err("a namespace holds function tools ('type': 'function')", f"{q}.type")
+                e, c = _function_tool(member, q, names, space)
+                members.append(e)
+                chat.append(c)
+                spaced.append((c["function"]["name"], space, e["name"]))
+            echo.append({"type": "namespace", "name": space, "description": desc or "",
+                         "tools": members})
+        elif kind in OPENAI_SKIPPED:
+            echo.append(dict(t))  # echoed as sent: the Response lists what the request had
+            skipped.append(kind)
+        elif isinstance(kind, str) and kind:
+            raise UnsupportedError(f"tool type '{kind}' is not supported: afm runs function "
+                                   "tools (and skips the hosted ones)", param=f"{p}.type")
+        else:
             raise err("each tool needs a 'type' ('function')", f"{p}.type")
-        name = t.get("name")
-        if not isinstance(name, str) or not 1 <= len(name) <= 256:
-            raise err("a function tool needs a 'name' (1-256 characters)", f"{p}.name")
-        valid_text(name, f"{p}.name")
-        if name in names:
-            raise err(f"duplicate tool name {name!r}", f"{p}.name")
-        names.add(name)
-        params = t.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise err("'parameters' must be a JSON schema object", f"{p}.parameters")
-        desc = t.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise err("'description' must be a string", f"{p}.description")
-        strict = t.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise err("'strict' must be a boolean", f"{p}.strict")
-        echo.append({"type": "function", "name": name, "description": desc, "parameters": params,
-                     "strict": bool(strict)})
-        fn: dict[str, Any] = {"name": name, "parameters": params}
-        if desc is not None:
-            fn["description"] = desc
-        if strict:
-            fn["strict"] = True
-        chat.append({"type": "function", "function": fn})
-    return echo, chat
+    return echo, chat, tuple(dict.fromkeys(skipped)), tuple(spaced)
+
+
+def _function_tool(t: dict[str, Any], p: str, names: set[str],
+                   space: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the echoed function tool, the chat tool); in a namespace, offered as ``space__name``."""
+    name = t.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 256:
+        raise err("a function tool needs a 'name' (1-256 characters)", f"{p}.name")
+    valid_text(name, f"{p}.name")
+    offered = name if space is None else joined(space, name)
+    if offered in names:
+        raise err(f"duplicate tool name {offered!r}", f"{p}.name")
+    names.add(offered)
+    params = t.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise err("'parameters' must be a JSON schema object", f"{p}.parameters")
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise err("'description' must be a string", f"{p}.description")
+    strict = t.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise err("'strict' must be a boolean", f"{p}.strict")
+    echo = {"type": "function", "name": name, "description": desc, "parameters": params,
+            "strict": bool(strict)}
+    fn: dict[str, Any] = {"name": offered, "parameters": params}
+    if desc is not None:
+        fn["description"] = desc
+    if strict:
+        fn["strict"] = True
+    return echo, {"type": "function", "function": fn}
 
 
 def _tool_choice(raw: Any, chat_tools: list[dict[str, Any]]) -> tuple[Any, Any, list[dict[str, Any]]]:
@@ -367,11 +427,11 @@ def _tool_choice(raw: Any, chat_tools: list[dict[str, Any]]) -> tuple[Any, Any, 
     if isinstance(raw, dict):
         kind = raw.get("type")
         if kind == "function":
-            name = raw.get("name")
+            name = _offered(raw)
             if not isinstance(name, str) or name not in names:
                 raise err(f"tool_choice names an unknown function {name!r}", "tool_choice.name")
-            return ({"type": "function", "name": name},
-                    {"type": "function", "function": {"name": name}}, chat_tools)
+            echo = {k: raw[k] for k in ("type", "name", "namespace") if raw.get(k) is not None}
+            return echo, {"type": "function", "function": {"name": name}}, chat_tools
         if kind == "allowed_tools":
             mode = raw.get("mode", "auto")
             if mode not in ("auto", "required"):
@@ -384,19 +444,30 @@ def _tool_choice(raw: Any, chat_tools: list[dict[str, Any]]) -> tuple[Any, Any, 
                 p = f"tool_choice.tools[{i}]"
                 if not isinstance(t, dict) or t.get("type") != "function":
                     raise UnsupportedError("allowed_tools may list function tools only", param=p)
-                if t.get("name") not in names:
+                if _offered(t) not in names:
                     raise err(f"allowed_tools names an unknown function {t.get('name')!r}",
                                f"{p}.name")
-                keep.append(t["name"])
+                keep.append(_offered(t))
             subset = [t for t in chat_tools if t["function"]["name"] in keep]
             echo = {"type": "allowed_tools", "mode": mode,
-                    "tools": [{"type": "function", "name": n} for n in keep]}
+                    "tools": [{k: t[k] for k in ("type", "name", "namespace") if t.get(k) is not None}
+                              for t in allowed]}
             return echo, mode, subset
+        if kind in OPENAI_SKIPPED:  # a skipped tool cannot be forced: the model chooses
+            return dict(raw), "auto" if chat_tools else None, chat_tools
         if isinstance(kind, str) and kind:
             raise UnsupportedError(f"tool_choice type '{kind}' is not supported: afm runs function "
                                    "tools only", param="tool_choice.type")
     raise err("'tool_choice' must be auto, none, required, a function or allowed_tools",
                "tool_choice")
+
+
+def _offered(choice: dict[str, Any]) -> Any:
+    """The function name a tool_choice entry names (``namespace__name`` with a namespace)."""
+    name, space = choice.get("name"), choice.get("namespace")
+    if isinstance(name, str) and isinstance(space, str) and space:
+        return joined(space, name)
+    return name
 
 
 def _text(raw: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -511,7 +582,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
                                param="previous_response_id", code="previous_response_has_choices")
         history = found.conversation
     items = _input_items(body.get("input"))
-    tools_echo, chat_tools = _tools(body.get("tools"))
+    tools_echo, chat_tools, skipped, spaced = _tools(body.get("tools"))
     choice_echo, chat_choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
     parallel = flag(body, "parallel_tool_calls", True)
     text_echo, response_format = _text(body.get("text"))
@@ -555,5 +626,7 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     )
     if chat.n > 1:  # afm's extension, echoed only when used
         settings += (("n", chat.n),)
+    if skipped:
+        chat = replace(chat, skipped_tools=skipped)
     return ResponsesCall(chat=chat, input_items=items, history=history, settings=settings,
-                         stream=stream, store=store, logprobs=logprobs)
+                         stream=stream, store=store, logprobs=logprobs, namespaced=spaced)

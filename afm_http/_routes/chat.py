@@ -34,7 +34,14 @@ from afm_core.api import chat
 
 from .._asgi import AFMQuart
 from .._drive import check_room, respond
-from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
+from .._request import (
+    model_choice,
+    profile_requested,
+    progress_requested,
+    read_json,
+    request_id,
+    skipped_tools_header,
+)
 from .._state import current_state
 from .._streaming import open_model_choices
 
@@ -60,5 +67,6 @@ async def chat_completions() -> Response:
                          stream=request.stream, include_usage=request.include_usage)
     downgraded = any(s.grammar_downgraded for s in streams)
     headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
+    headers.update(skipped_tools_header(request))
     return await respond(state, writer, streams, stack, stream=request.stream, request_id=rid,
                          headers=headers)

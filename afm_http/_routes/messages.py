@@ -35,7 +35,14 @@ from afm_core.api import anthropic
 from .._asgi import AFMQuart
 from .._drive import respond
 from .._json import json_response
-from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
+from .._request import (
+    model_choice,
+    profile_requested,
+    progress_requested,
+    read_json,
+    request_id,
+    skipped_tools_header,
+)
 from .._state import current_state
 from .._streaming import held_engine
 
@@ -61,6 +68,7 @@ async def create_message() -> Response:
         context_length=engine.context_length, show_thinking=req.show_thinking,
         profile=profile is not None), stream=req.stream)
     headers = {"X-Grammar-Constraints": "downgraded"} if stream.grammar_downgraded else {}
+    headers.update(skipped_tools_header(req.chat))
     return await respond(state, writer, [stream], stack, stream=req.stream, request_id=rid,
                          headers=headers, cancel=lambda: engine.cancel(rid))
 

@@ -59,7 +59,14 @@ from afm_core.api.responses_store import StoredResponse
 from .._asgi import AFMQuart
 from .._drive import Before, check_room, respond
 from .._json import json_response
-from .._request import model_choice, profile_requested, progress_requested, read_json, request_id
+from .._request import (
+    model_choice,
+    profile_requested,
+    progress_requested,
+    read_json,
+    request_id,
+    skipped_tools_header,
+)
 from .._state import AppState, LiveResponse, current_state
 from .._streaming import Batch, open_model_choices
 
@@ -99,6 +106,7 @@ async def responses_create() -> Response:
     stack.callback(_settle, state, live)  # runs before the engine streams are left
     downgraded = any(s.grammar_downgraded for s in streams)
     headers = {"X-Grammar-Constraints": "downgraded"} if downgraded else {}
+    headers.update(skipped_tools_header(call.chat))
     return await respond(state, writer, streams, stack, stream=call.stream, request_id=rid,
                          headers=headers, before=_reasoning_counter(engine, writer.state))
 

@@ -288,8 +288,8 @@ def test_bad_requests_say_what_is_wrong(body: Any, message: str) -> None:
      "messages.0.content.0.content.0: content block type 'image' is not supported"),
     (base(messages=[{"role": "user", "content": [{"type": "document"}]}]), "messages.0.content.0: content block"),
     (base(system=[{"type": "image"}]), "system.0: content block type 'image' is not supported"),
-    (base(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
-     "tools.0.type: server tool 'web_search_20250305' is not supported"),
+    (base(tools=[{"type": "bash_20250124", "name": "bash"}]),
+     "tools.0.type: tool type 'bash_20250124' is not supported"),
     (base(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is ("}]),
      "messages: the final message must be a user message"),
 ])

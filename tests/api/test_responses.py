@@ -233,9 +233,9 @@ def test_invalid_bodies_name_the_parameter(body: dict[str, Any], param: str) -> 
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "x", "tools": [TOOL, {"type": "file_search", "vector_store_ids": []}]}, "tools[1].type"),
-    ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
+    ({"input": "x", "tools": [{"type": "sorcery"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [TOOL, {"type": "web_search_v9"}]}, "tools[1].type"),
+    ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "sorcery"}}, "tool_choice.type"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "allowed_tools",
                                                      "tools": [{"type": "mcp", "server_label": "s"}]}},
      "tool_choice.tools[0]"),
@@ -815,3 +815,66 @@ def test_store_of_size_zero_keeps_nothing_and_bad_limits_raise() -> None:
         ResponseStore(max_responses=-1)
     with pytest.raises(ValueError):
         ResponseStore(max_age=0)
+
+
+# -- hosted and namespace tools ---------------------------------------------------------
+
+SPAWN = {"type": "function", "name": "spawn", "description": "Start an agent",
+         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Agents",
+             "tools": [SPAWN, {**SPAWN, "name": "wait"}]}
+
+
+def test_hosted_tools_are_skipped_and_namespaces_flattened() -> None:
+    call = api.parse({"input": "x", "tools": [
+        TOOL, NAMESPACE, {"type": "web_search", "external_web_access": False},
+        {"type": "image_generation"}, {"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]})
+    assert [t["function"]["name"] for t in call.chat.tools or ()] == [
+        "get_weather", "multi_agent_v1__spawn", "multi_agent_v1__wait"]
+    assert call.chat.tools and call.chat.tools[1]["function"]["description"] == "Start an agent"
+    assert call.chat.skipped_tools == ("web_search", "image_generation", "custom")
+    assert call.tool_name("multi_agent_v1__wait") == ("wait", "multi_agent_v1")
+    assert call.tool_name("get_weather") == ("get_weather", None)
+    echo = dict(call.settings)["tools"]
+    assert [t["type"] for t in echo] == ["function", "namespace", "web_search", "image_generation",
+                                        "web_search", "custom"]
+    assert [t["name"] for t in echo[1]["tools"]] == ["spawn", "wait"]
+    # only hosted tools: nothing is offered, nothing forced
+    alone = api.parse({"input": "x", "tools": [{"type": "web_search_preview"}],
+                       "tool_choice": {"type": "web_search_preview"}})
+    assert not alone.chat.tools and alone.chat.tool_choice == "none"
+    assert alone.chat.skipped_tools == ("web_search_preview",)
+    assert api.parse({"input": "x", "tools": [TOOL]}).chat.skipped_tools == ()
+
+
+def test_namespace_tool_choice_and_bad_namespaces() -> None:
+    call = api.parse({"input": "x", "tools": [NAMESPACE],
+                      "tool_choice": {"type": "function", "name": "spawn", "namespace": "multi_agent_v1"}})
+    assert call.chat.tool_choice == {"type": "function", "function": {"name": "multi_agent_v1__spawn"}}
+    assert dict(call.settings)["tool_choice"] == {"type": "function", "name": "spawn",
+                                                  "namespace": "multi_agent_v1"}
+    for tools, param in [
+        ([{"type": "namespace", "tools": [SPAWN]}], "tools[0].name"),
+        ([{"type": "namespace", "name": "n", "tools": "x"}], "tools[0].tools"),
+        ([{"type": "namespace", "name": "n", "tools": [{"type": "sorcery"}]}], "tools[0].tools[0].type"),
+        ([{**SPAWN, "name": "n__spawn"}, {"type": "namespace", "name": "n", "tools": [SPAWN]}],
+         "tools[1].tools[0].name"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            api.parse({"input": "x", "tools": tools})
+        assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
+
+
+def test_a_namespaced_call_goes_out_with_its_namespace_and_comes_back_joined() -> None:
+    w = writer({"input": "x", "tools": [NAMESPACE]})
+    out = run(w, [ToolCallDelta(0, '{"task": "t"}', "call_a", "multi_agent_v1__spawn")],
+              [Finish("tool_calls"), Usage(3, 3)])
+    added = next(e["item"] for e in out if e["type"] == "response.output_item.added")
+    assert (added["name"], added["namespace"]) == ("spawn", "multi_agent_v1")
+    done = w.response["output"][0]
+    assert done["type"] == "function_call" and (done["name"], done["namespace"]) == ("spawn", "multi_agent_v1")
+    # the client sends the call back as it got it: the model sees the name it called
+    follow = api.parse({"input": [{"role": "user", "content": "x"}, done,
+                                  {"type": "function_call_output", "call_id": "call_a", "output": "ok"}],
+                        "tools": [NAMESPACE]})
+    assert follow.chat.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn"

@@ -307,7 +307,7 @@ async def test_store_false_and_the_store_size(echo_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "param", "code"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported"),
+    ({"tools": [{"type": "sorcery"}]}, "tools[0].type", "unsupported"),
     ({"background": True}, "background", "unsupported"),
     ({"input": [{"type": "mystery"}]}, "input[0].type", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
