@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=10.0,
                         metavar="S",
                         help="a streaming response silent this long (queued or prefilling) gets "
-                             "an SSE comment ': keepalive' (Anthropic's route: a ping event); "
+                             "an SSE comment ': keepalive' (Anthropic's route: a ping event, the "
+                             "Responses route: response.in_progress again); "
                              "0: none (default: 10)")
     parser.add_argument("--stream-write-timeout", type=_seconds_or_zero, default=30.0, metavar="S",
                         help="close a connection whose client has taken none of a response's bytes "

@@ -56,7 +56,8 @@ class ServerConfig:
     """Seconds a stored Response is kept (counted from when it finished)."""
     keepalive_seconds: float = 10.0
     """A streaming response silent this long (queued, or in a long prefill) gets an
-    SSE comment ``: keepalive`` (Anthropic's route: a ``ping`` event); 0 sends none."""
+    SSE comment ``: keepalive`` (Anthropic's route: a ``ping`` event, the Responses
+    route: ``response.in_progress`` again); 0 sends none."""
     drain_timeout: float = 0.0
     """Once a drain began (SIGTERM under ``afm serve``, ``POST /admin/drain``), the seconds
     running streams get to finish before the rest are cancelled; on SIGTERM, 0 cancels

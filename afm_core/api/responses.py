@@ -39,6 +39,13 @@ an unknown id is OpenAI's 404 ``previous_response_not_found``.  Function
 arguments; omitted or null means false here, where OpenAI's server defaults
 to true); ``tool_choice`` is ``auto``, ``none``, ``required``, a named
 function, or ``allowed_tools`` (the tools are narrowed to that list).
+A ``namespace`` tool's functions are offered as ``<namespace>__<name>``; a
+call to one is a ``function_call`` item with the function's ``name`` and
+its ``namespace`` (an input ``function_call`` with ``namespace`` is joined
+again for the template).  Hosted tools (``web_search``, ``file_search``,
+``custom``, ...: :mod:`afm_core.api._hosted`) are echoed but not offered
+(``ChatRequest.skipped_tools``, the ``X-AFM-Skipped-Tools`` header); a
+``tool_choice`` naming one is ``auto``.
 ``text.format`` ``json_object`` / ``json_schema`` (enforced by the engine's
 grammar: strict, or best-effort without ``strict``) is the chat ``response_format``.  ``reasoning.effort``
 goes to the chat template (``none`` turns thinking off; ``xhigh`` and
@@ -46,8 +53,7 @@ goes to the chat template (``none`` turns thinking off; ``xhigh`` and
 is always the model's whole reasoning text.  ``include`` with
 ``message.output_text.logprobs`` (or ``top_logprobs`` > 0) adds logprobs to
 the text.  ``truncation: "auto"`` is accepted but nothing is truncated (a
-prompt past the context is still a 400).  Hosted tools (``web_search``,
-``file_search``, ...), ``background: true``, ``conversation``, ``prompt``
+prompt past the context is still a 400).  ``background: true``, ``conversation``, ``prompt``
 templates, ``context_management``, ``item_reference`` items and non-text
 content (images, files, audio) are a 400 :class:`UnsupportedError`; unknown
 fields are ignored.

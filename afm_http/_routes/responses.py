@@ -8,7 +8,7 @@ its chat request on the engine under the HTTP request id (the client's
 ``POST /v1/chat/completions/{request_id}/cancel`` ends it too.  The
 translation's :class:`~afm_core.api.responses.ResponseWriter` turns the
 events into Responses events: one write per engine step (``event: TYPE`` /
-``data: {...}`` frames, no ``[DONE]``; the SSE comment ``: keepalive`` while
+``data: {...}`` frames, no ``[DONE]``; ``response.in_progress`` again while
 the engine is silent, ``ServerConfig.keepalive_seconds``), or, without ``stream``, the final
 Response object.  When a choice's finish arrives, its reasoning text is
 re-tokenized for ``usage.output_tokens_details.reasoning_tokens``.
