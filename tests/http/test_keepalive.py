@@ -13,7 +13,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import httpx2
 import openai
 import pytest
 import trio
@@ -174,21 +176,24 @@ async def test_messages_pings_follow_the_setting(echo_model_dir: Path) -> None:
 
 class Tee(httpx.AsyncBaseTransport):
     """An HTTP transport that notes when a response body carried a keepalive (``marker``
-    ``times`` times: a comment, or the Responses stream's third ``response.in_progress``)."""
+    ``times`` times: a comment, the Responses stream's third ``response.in_progress``, or
+    a third ``ping``).  ``lib`` is ``httpx``, or ``httpx2`` for the anthropic SDK."""
 
-    def __init__(self, marker: bytes = KEEPALIVE.encode(), times: int = 1) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
+    def __init__(self, marker: bytes = KEEPALIVE.encode(), times: int = 1, lib: Any = httpx) -> None:
+        self.lib = lib
+        self.inner = lib.AsyncHTTPTransport()
         self.heard = trio.Event()
         self.marker = marker
         self.times = times
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: Any) -> Any:
+        lib = self.lib
         response = await self.inner.handle_async_request(request)
         raw = response.stream
-        assert isinstance(raw, httpx.AsyncByteStream)
+        assert isinstance(raw, lib.AsyncByteStream)
         heard, marker, times = self.heard, self.marker, self.times
 
-        class Stream(httpx.AsyncByteStream):
+        class Stream(lib.AsyncByteStream):  # type: ignore[name-defined,misc]
             async def __aiter__(self) -> AsyncIterator[bytes]:
                 body = b""
                 async for chunk in raw:
@@ -200,8 +205,8 @@ class Tee(httpx.AsyncBaseTransport):
             async def aclose(self) -> None:
                 await raw.aclose()
 
-        return httpx.Response(response.status_code, headers=response.headers, stream=Stream(),
-                              extensions=response.extensions)
+        return lib.Response(response.status_code, headers=response.headers, stream=Stream(),
+                            extensions=response.extensions)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -242,6 +247,35 @@ async def test_openai_sdk_reads_through_keepalives(echo_model_dir: Path, api: st
         if api == "responses":  # the SDK parsed the repeated events as its own type
             assert types[:4] == ["response.created"] + ["response.in_progress"] * 3
             assert types[-1] == "response.completed"
+
+
+async def test_anthropic_sdk_reads_through_pings(echo_model_dir: Path) -> None:
+    """The anthropic SDK's stream reads a body whose pings came while the request waited,
+    then the whole message."""
+    tee = Tee(b"event: ping", 3, httpx2)  # the opening ping and two while it waited
+    async with running_server(echo_model_dir, server=FAST, max_batch=1) as (url, _), \
+            httpx.AsyncClient(base_url=url) as c, httpx2.AsyncClient(transport=tee) as http:
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0, http_client=http)
+        types: list[str] = []
+        events: list[Any] = []
+        async with hogged(c):
+            stream = await client.messages.create(model="m", max_tokens=100, stream=True,
+                                                  messages=[{"role": "user", "content": TEXT}])
+
+            async def read() -> None:
+                async for event in stream:
+                    types.append(event.type)
+                    events.append(event)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await tee.heard.wait()
+                await release(c)
+        # the SDK skips the pings (its stream drops them); it read through them to the end
+        assert tee.heard.is_set() and types[0] == "message_start" and types[-1] == "message_stop"
+        text = "".join(e.delta.text for e in events if e.type == "content_block_delta"
+                       and e.delta.type == "text_delta")
+        assert text == TEXT
 
 
 async def test_zero_sends_no_keepalive(echo_model_dir: Path) -> None:
