@@ -577,7 +577,7 @@ class Writer:
         return self._out(self.state.close(choice))
 
     def keepalive(self) -> bytes:
-        return self._out(self.state.keepalive())
+        return self._out(self.state.keepalive()) if self.streaming else b""
 
     def fail(self, message: str) -> bytes:
         return self._out(self.state.fail(message))
