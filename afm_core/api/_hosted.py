@@ -11,9 +11,10 @@ type stays a 400 (a typo is not silently dropped).
 
 Responses' ``namespace`` tools (a group of function tools under a name,
 which Codex sends) are flattened by the Responses parser: each function is
-offered as ``<namespace>__<name>`` (:func:`joined`), a name valid in every
+offered as ``<namespace>__<name>`` (:func:`joined`, the flat name Codex
+itself uses where a namespace cannot be kept), a name valid in every
 function-calling template, and a call to it goes back out as ``name`` and
-``namespace`` (:func:`split`), the fields of OpenAI's ``function_call`` item.
+``namespace``, the fields of OpenAI's ``function_call`` item.
 """
 
 from __future__ import annotations
@@ -51,5 +52,7 @@ def anthropic_server_tool(kind: object) -> bool:
 
 
 def joined(namespace: str, name: str) -> str:
-    """The function name a namespaced tool is offered to the model under."""
-    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+    """The function name a namespaced tool is offered to the model under: Codex's
+    flat name for it (codex-rs ``ToolName::canonical_flat_name``: underscores next
+    to the separator are trimmed), so a flat call reads the same on both sides."""
+    return f"{namespace.rstrip('_')}{NAMESPACE_SEPARATOR}{name.lstrip('_')}"

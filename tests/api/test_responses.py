@@ -878,3 +878,11 @@ def test_a_namespaced_call_goes_out_with_its_namespace_and_comes_back_joined() -
                                   {"type": "function_call_output", "call_id": "call_a", "output": "ok"}],
                         "tools": [NAMESPACE]})
     assert follow.chat.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn"
+
+
+def test_the_flat_name_is_codexs() -> None:
+    """codex-rs joins with ``__`` and trims the underscores next to it; so does afm."""
+    call = api.parse({"input": "x", "tools": [{"type": "namespace", "name": "mcp__srv_",
+                                               "tools": [{**SPAWN, "name": "_go"}]}]})
+    assert [t["function"]["name"] for t in call.chat.tools or ()] == ["mcp__srv__go"]
+    assert call.tool_name("mcp__srv__go") == ("_go", "mcp__srv_")
