@@ -886,3 +886,33 @@ def test_the_flat_name_is_codexs() -> None:
                                                "tools": [{**SPAWN, "name": "_go"}]}]})
     assert [t["function"]["name"] for t in call.chat.tools or ()] == ["mcp__srv__go"]
     assert call.tool_name("mcp__srv__go") == ("_go", "mcp__srv_")
+
+
+def test_keepalives_anywhere_leave_the_sdk_accumulator_exact() -> None:
+    """``response.in_progress`` as the keepalive, before any item and between deltas of a
+    message and of a call: the SDK's stream accumulator (which replaces its items by the
+    event's snapshot) ends with the same Response as without keepalives."""
+    body = {"input": "x", "tools": [NAMESPACE, TOOL], "stream": True}
+    steps = [[ContentDelta("Hel")], [ContentDelta("lo")],
+             [ToolCallDelta(0, '{"task"', "call_a", "multi_agent_v1__spawn")], [ToolCallDelta(0, ': "t"}')],
+             [Finish("tool_calls"), Usage(3, 4)]]
+    finals = []
+    for keep in (False, True):
+        w = writer(body)
+        out = w.start() + (w.keepalive() if keep else [])
+        for step in steps:
+            out += w.feed(step)
+            if keep:
+                out += w.keepalive()
+        out += w.end()
+        for e in out:
+            sdk_check(e)
+        assert [e["sequence_number"] for e in out] == list(range(len(out)))
+        # the opening one, one before the first step and after each but the last (it ended)
+        assert types(out).count("response.in_progress") == (6 if keep else 1)
+        final = sdk_accumulate(out)
+        finals.append(final.model_dump(exclude={"usage"}))
+        assert final.output_text == "Hello"
+        call = final.output[1]
+        assert (call.name, call.namespace, call.arguments) == ("spawn", "multi_agent_v1", '{"task": "t"}')
+    assert finals[0] == finals[1]
