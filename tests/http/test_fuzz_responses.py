@@ -344,11 +344,16 @@ tool_entry = st.one_of(
                            "name": st.one_of(safe_text, not_string), "parameters": json_value,
                            "strict": json_value, "description": json_value}),
     st.dictionaries(text, json_value, max_size=4),
+    st.fixed_dictionaries({"type": st.just("namespace"), "name": st.one_of(safe_text, not_string),
+                           "tools": st.one_of(json_value, st.lists(st.one_of(
+                               st.just(GOOD_TOOL), st.just({"type": "web_search"}), json_value),
+                               max_size=3))}),
 )
 tool_choice = st.one_of(
     json_value,
     st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
                      {"type": "function", "name": "g"}, {"type": "web_search_preview"},
+                     {"type": "function", "name": "f", "namespace": "n"},
                      {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]},
                      {"type": "allowed_tools", "mode": "always", "tools": []}]),
     st.fixed_dictionaries({"type": st.sampled_from(["function", "allowed_tools"]), "name": json_value,
