@@ -1,7 +1,7 @@
 """Long prompts, afm against llama.cpp on the same GGUF: time to first token and peak RSS.
 
-Driven by ``benchmarks/prefill.py --long 512,4096,8000`` (see there and the
-README).  Every measurement runs in a child process of its own (this module
+Driven by ``benchmarks/prefill.py --long 512,4096,8000`` (see there and
+benchmarks/README.md).  Every measurement runs in a child process of its own (this module
 with ``child``), so each one's peak resident memory (``VmHWM``, the model's
 load included) is its own; the parent alternates afm and llama.cpp, length
 by length, round by round, and prints medians and ratios.

@@ -254,7 +254,7 @@ class EngineConfig:
     stream speculates while it is alone and stops when others join, never
     refused).  0 disables speculation.  A wider batch already amortizes each
     step's overhead across its streams, and its verify passes cost more
-    than the tokens they save (see the README's numbers)."""
+    than the tokens they save (see docs/performance.md, "Speculative decoding")."""
 
     distributed: DistributedConfig | None = None
     """Serve one model sharded over the ranks of an ``mx.distributed`` group
