@@ -25,8 +25,8 @@ For ``float32`` (``kv_dtype="model"`` on afm's float32 CPU models),
   ``--agree-tokens`` tokens, all in flight together (a batch): the fraction
   of tokens identical up to each prompt's first divergence from the float32
   engine's tokens, and how many prompts match in full.
-* **perplexity** of the first ``--ppl-tokens`` tokens of the repository's
-  README (the prompt's own log-probabilities, ``echo`` scoring, computed
+* **perplexity** of the first ``--ppl-tokens`` tokens of the fixed corpus
+  ``afm_core/testing/corpus.txt`` (the prompt's own log-probabilities, ``echo`` scoring, computed
   over that format's cache as it is prefilled).
 
     .venv/bin/python benchmarks/kv_bits.py [--model default|random|DIR] [--rounds 3]
@@ -130,7 +130,8 @@ async def decode_rate(engine: Any, ids: list[int], n: int) -> float:
     return float(profile["decode_tok_s"])
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CORPUS = Path(__file__).resolve().parent.parent / "afm_core" / "testing" / "corpus.txt"
+"""A fixed text (the GGUF perplexity benchmark's), so reruns score the same tokens."""
 
 
 async def perplexity(engine: Any, text: str, n: int) -> float:
@@ -197,7 +198,7 @@ async def main(args: argparse.Namespace) -> None:
                                                                   **engine_options(b)))
                    for b in SETTINGS}
         tokens = {b: await greedy_batch(engines[b], args.agree_tokens) for b in SETTINGS}
-        text = await trio.to_thread.run_sync(README.read_text)
+        text = await trio.to_thread.run_sync(CORPUS.read_text)
         ppl = {b: await perplexity(engines[b], text, args.ppl_tokens) for b in SETTINGS}
         for r in range(args.rounds):
             for ctx in contexts:
@@ -233,7 +234,7 @@ if __name__ == "__main__":
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--memory-tokens", type=int, default=512)
-    p.add_argument("--ppl-tokens", type=int, default=1024, help="README tokens scored for the perplexity")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="corpus tokens scored for the perplexity")
     p.add_argument("--mlx-lm-attention", action="store_true",
                    help="also time the quantized settings through mlx-lm's attention (the unfused path)")
     trio.run(main, p.parse_args())
