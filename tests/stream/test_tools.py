@@ -267,3 +267,39 @@ def test_partial_helper() -> None:
     assert partial("abc<tool", "<tool_call>") == 5
     assert partial("abc", "<tool_call>") == 0
     assert partial("<tool_call>", "<tool_call>") == 0
+
+
+# -- a fenced JSON call at the start of the output (Qwen2.5-Coder's way) ----------------
+
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+def test_a_fenced_call_at_the_start_is_a_call(twin: TwinSet) -> None:
+    for text in (FENCED, "\n " + FENCED + "\n", FENCED.replace("```json", "```")):
+        events, t = run(twin, "hermes", text, tools=TOOLS)
+        content, calls = merged(events)
+        assert content == "" and [c["name"] for c in calls] == ["get_weather"], text
+        assert json.loads(calls[0]["arguments"]) == {"city": "Paris"} and t.saw_tool_call
+
+
+def test_a_fenced_call_split_anywhere(twin: TwinSet) -> None:
+    text = FENCED + "\n"
+    for pieces in [each_boundary(text)] + [[text[:k], text[k:]] for k in range(1, len(text))]:
+        events, t = run(twin, "hermes", pieces, tools=TOOLS)
+        content, calls = merged(events)
+        assert content == "" and len(calls) == 1 and t.errors == [], pieces
+
+
+def test_fences_that_are_not_calls_stay_content(twin: TwinSet) -> None:
+    for text in ('```json\n{"a": 1}\n```', '```python\nprint(1)\n```', "``", "```",
+                 'Here:\n```json\n{"name": "get_weather", "arguments": {}}\n```',
+                 '```json\n{"name": "nope", "arguments": {}}\n```', "```jsx\n{}\n```"):
+        events, t = run(twin, "hermes", text, tools=TOOLS)
+        content, calls = merged(events)
+        assert (content, calls, t.saw_tool_call) == (text, [], False), text
+
+
+def test_text_after_a_fenced_call(twin: TwinSet) -> None:
+    events, _ = run(twin, "hermes", FENCED + "\nDone.", tools=TOOLS)
+    content, calls = merged(events)
+    assert len(calls) == 1 and content == "\nDone."
