@@ -10,7 +10,8 @@ A :class:`Job` is built off both threads (:mod:`.prepare`), travels in a
 :class:`Submit` and belongs to the generation thread from then on.  The Trio
 side follows each request with a :class:`RequestRecord` whose
 :class:`RequestState` says where it stands.  Starting the thread yields one
-:data:`StartUp` record.
+:data:`~.startup.StartUp` record (:mod:`.startup`: it holds the worker, so
+it lives above :mod:`.worker`, which builds on the records here).
 
 Three id spaces
 ---------------
@@ -45,8 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, NewType, TypeAlias
 
-from .._models.loader import ModelInfo
-from .._stream.detok import DecoderTables
 from .._stream.events import Event, TopLogprob
 from .._stream.pipeline import StreamPipeline
 from ..api.chat_request import ChatRequest
@@ -55,12 +54,9 @@ from .mailbox import Mailbox
 from .profile import ProfileRecorder
 
 if TYPE_CHECKING:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
     from .._mlx.prefill import PromptScores
     from .grammar import GrammarProcessor
     from .sampling import GuardedProcessor
-    from .worker import Worker
 
 __all__ = [
     "Cancel",
@@ -77,9 +73,6 @@ __all__ = [
     "RequestRecord",
     "RequestState",
     "Reset",
-    "StartFailed",
-    "StartUp",
-    "Started",
     "Stop",
     "Submit",
     "Sync",
@@ -241,30 +234,6 @@ class Delivery(NamedTuple):
 
 Outputs: TypeAlias = dict[JobKey, Delivery]
 """Everything one engine step produced, by job key (one hand-off per step)."""
-
-
-# -- start-up: generation thread -> Trio, once ---------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """The generation thread loaded the model and is about to run its loop."""
-
-    worker: Worker
-    tokenizer: TokenizerWrapper
-    tables: DecoderTables
-    info: ModelInfo
-
-
-@dataclass(frozen=True, slots=True)
-class StartFailed:
-    """Loading the model or creating the MLX objects raised ``error``; the
-    thread has returned."""
-
-    error: BaseException
-
-
-StartUp: TypeAlias = Started | StartFailed
 
 
 # -- the Trio side's record of one request -------------------------------------

@@ -62,14 +62,12 @@ from .commands import (
     RequestId,
     RequestRecord,
     RequestState,
-    Started,
-    StartFailed,
-    StartUp,
 )
 from .config import WARMUP_WIDTH, EngineConfig
 from .genthread import run_on_generation_thread
 from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
+from .startup import Started, StartFailed, StartUp
 from .worker import Worker, WorkerStats
 
 if TYPE_CHECKING:
