@@ -23,8 +23,8 @@ generator's sequences are, so no caller reads its private fields.
 Before each forward the rows' LoRA adapters are selected by their uids
 (``afm_core._mlx.lora.AdapterRows``), so they follow mlx-lm's inserts and filters.
 
-With a :class:`~afm_core._mlx.speculative.Speculation` (``speculation``)
-a step may be a verify step instead (see :mod:`.speculative`): its rows may
+With a :class:`~afm_core._mlx.speculative.Speculation` (``speculation``,
+seen here through its :class:`Verifier` face) a step may be a verify step instead (see :mod:`.speculative`): its rows may
 each answer several tokens, as several responses of the same uid
 (:meth:`EngineGenerationBatch.respond`).
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -42,15 +42,25 @@ from mlx_lm.sample_utils import Sampler
 
 from .lora import AdapterRows
 
-if TYPE_CHECKING:
-    from .speculative import Speculation
-
-__all__ = ["EngineGenerationBatch", "Occupancy", "install", "occupancy", "process_rows"]
+__all__ = ["EngineGenerationBatch", "Occupancy", "Verifier", "install", "occupancy", "process_rows"]
 
 SETTLE_EVERY = 64
 """Steps between evaluations of the whole cache state.  A model that never
 reads part of its cache (a layer without RoPE never reads the offset) would
 otherwise grow a lazy graph, holding memory, for as long as the batch runs."""
+
+
+class Verifier(Protocol):
+    """What the batch asks of its speculation (``afm_core._mlx.speculative.Speculation``,
+    which builds on this module, so the batch names only this face of it)."""
+
+    def step(self, batch: EngineGenerationBatch) -> list[Any] | None:
+        """One verify step of ``batch`` (its responses), or None: a plain step is due."""
+        ...
+
+    def retain(self, uids: list[int]) -> None:
+        """Only ``uids`` are still in the batch."""
+        ...
 
 
 class EngineGenerationBatch(GenerationBatch):
@@ -60,7 +70,7 @@ class EngineGenerationBatch(GenerationBatch):
     logprob_uids: set[int]
     adapters: AdapterRows | None = None
     """The rows' LoRA adapters (``afm_core._mlx.lora``), selected for each step."""
-    speculation: Speculation | None = None
+    speculation: Verifier | None = None
     _steps = 0  # decode steps run; instances count from the class default
 
     def next(self) -> list[GenerationBatch.Response]:
@@ -232,7 +242,7 @@ def process_rows(batch: GenerationBatch, logits: mx.array,
 
 
 def install(gen: BatchGenerator, logprob_uids: set[int], adapters: AdapterRows | None = None,
-            speculation: Speculation | None = None) -> None:
+            speculation: Verifier | None = None) -> None:
     """Make ``gen`` decode with an :class:`EngineGenerationBatch` reading
     ``logprob_uids`` (a live set the caller keeps up to date), selecting
     each row's LoRA adapter from ``adapters`` and speculating with
