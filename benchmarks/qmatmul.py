@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from afm_core._mlx import qmatmul as _qmatmul
+from afm_core._mlx import qmm_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median_seconds
@@ -122,7 +123,7 @@ def decode(tokens: int, rounds: int) -> None:
             mx.eval(model.parameters())
         fuse_cpu_kernels(model)
         if not afm:
-            _qmatmul.restore_qmm(model)
+            qmm_layers.restore_qmm(model)
         return model
 
     models = {

@@ -285,7 +285,7 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
         changed += 1
     from .activations import use_fast_swiglu  # the MLP's SwiGLU as one operation
     from .attention import use_decode_attention  # one operation per layer's decode attention
-    from .qmatmul import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
+    from .qmm_layers import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
 
     use_decode_attention(model)
     use_fast_swiglu(model)
@@ -318,7 +318,7 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
         changed += 1
     from .activations import restore_swiglu
     from .attention import restore_decode_attention
-    from .qmatmul import restore_qmm
+    from .qmm_layers import restore_qmm
 
     restore_decode_attention(model)
     restore_swiglu(model)

@@ -33,11 +33,11 @@ llama.cpp does:
 :func:`quantized_matmul` is ``mx.quantized_matmul``'s signature and falls back
 to it whenever the extension is missing or disabled (``AFM_NO_QMM=1``, or
 ``AFM_NO_EXTENSIONS=1``), the device is not the CPU, or the layout is one the
-kernels do not cover.  :func:`use_fast_qmm` switches a model's
-``nn.QuantizedLinear`` layers, and a quantized embedding used as the output
-head (``as_linear``), to it in place (a class swap, as ``afm_core._mlx.fusion``
-does; :func:`restore_qmm` swaps back); ``afm_core._mlx.fusion.fuse_cpu_kernels``
-calls both.
+kernels do not cover.  ``afm_core._mlx.qmm_layers.use_fast_qmm`` switches a
+model's ``nn.QuantizedLinear`` layers, and a quantized embedding used as the
+output head (``as_linear``), to the layer classes here in place (a class swap,
+as ``afm_core._mlx.fusion`` does; ``restore_qmm`` swaps back);
+``afm_core._mlx.fusion.fuse_cpu_kernels`` calls both.
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ __all__ = [
     "kernel_isa",
     "qmm_available",
     "quantized_matmul",
-    "restore_qmm",
     "supports",
-    "use_fast_qmm",
 ]
 
 log = logging.getLogger("afm.engine")
@@ -199,39 +197,3 @@ def _layer_supported(layer: Any) -> bool:
     biases = layer.get("biases") if isinstance(layer, dict) else None
     return biases is not None and supports(layer["weight"], layer["scales"], biases,
                                            layer.group_size, layer.bits, _mode(layer))
-
-
-def use_fast_qmm(model: nn.Module) -> int:
-    """Switch ``model``'s ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding``
-    layers (exactly those classes, in a layout the kernels cover) to the fast
-    kernels, in place; returns how many changed (0 without the extension or off
-    the CPU)."""
-    if _ext is None or not _on_cpu():
-        return 0
-    changed = 0
-    for _, layer in model.named_modules():
-        if type(layer) is nn.QuantizedLinear and _layer_supported(layer):
-            layer.__class__ = _FastQuantizedLinear
-        elif type(layer) is nn.QuantizedEmbedding and _layer_supported(layer):
-            layer.__class__ = _FastQuantizedEmbedding
-        else:
-            continue
-        changed += 1
-    from .qmm_groups import group_siblings  # q/k/v and gate/up as one product each
-
-    group_siblings(model)
-    return changed
-
-
-def restore_qmm(model: nn.Module) -> int:
-    """Give ``model`` back the layers :func:`use_fast_qmm` switched; returns
-    how many changed."""
-    from .qmm_groups import ungroup_siblings
-
-    ungroup_siblings(model)
-    changed = 0
-    for _, layer in model.named_modules():
-        if isinstance(layer, (_FastQuantizedLinear, _FastQuantizedEmbedding)):
-            layer.__class__ = layer.__class__.__mro__[1]
-            changed += 1
-    return changed

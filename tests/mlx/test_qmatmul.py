@@ -36,6 +36,7 @@ import pytest
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
 from afm_core._mlx import qmatmul as _qmatmul
+from afm_core._mlx import qmm_layers
 
 ext = _qmatmul._ext
 needs_ext = pytest.mark.skipif(
@@ -225,7 +226,7 @@ def test_layouts_the_kernels_do_not_cover_stay_on_mlx(bits, group, mode):
     assert mx.array_equal(y, ref)
     layer = nn.QuantizedLinear(128, 64, bias=False, group_size=group, bits=bits, mode=mode)
     model = nn.Sequential(layer)
-    assert _qmatmul.use_fast_qmm(model) == 0
+    assert qmm_layers.use_fast_qmm(model) == 0
     assert type(layer) is nn.QuantizedLinear
 
 
@@ -236,12 +237,12 @@ def test_every_kernel_width_is_routed_to_the_kernels(bits):
     model = nn.Sequential(layer)
     x = mx.random.normal((2, 128))
     ref = layer(x)
-    assert _qmatmul.use_fast_qmm(model) == 1
+    assert qmm_layers.use_fast_qmm(model) == 1
     assert type(layer).__name__ == "_FastQuantizedLinear"
     y = layer(x)
     bound = _bound(x, layer["weight"], layer["scales"], layer["biases"], 32, bits, 16)
     assert np.all(np.abs(np.array(y) - np.array(ref)) <= bound + 1e-5 * np.abs(np.array(ref)).max())
-    _qmatmul.restore_qmm(model)
+    qmm_layers.restore_qmm(model)
     assert type(layer) is nn.QuantizedLinear
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
 from afm_core._mlx import qmatmul as _qmatmul
-from afm_core._mlx import qmm_groups
+from afm_core._mlx import qmm_groups, qmm_layers
 
 needs_ext = pytest.mark.skipif(_qmatmul.extension() is None,
                                reason="afm_core._mlx.qmm_ext is not built or disabled")
@@ -44,7 +44,7 @@ def _logits(model):
 def test_grouped_products_are_the_same_bits(tmp_path, bits, monkeypatch):
     model = _model(tmp_path, bits)
     monkeypatch.setenv(qmm_groups.NO_GROUPS_ENV, "1")
-    _qmatmul.use_fast_qmm(model)  # fast kernels, layers apart
+    qmm_layers.use_fast_qmm(model)  # fast kernels, layers apart
     apart = _logits(model)
     weights = {name: np.array(p) for name, p in
                nn.utils.tree_flatten(model.parameters()) if "proj" in name}
@@ -69,7 +69,7 @@ def test_grouped_products_are_the_same_bits(tmp_path, bits, monkeypatch):
 @needs_ext
 def test_a_member_called_alone_and_no_activations_held(tmp_path):
     model = _model(tmp_path)
-    _qmatmul.use_fast_qmm(model)
+    qmm_layers.use_fast_qmm(model)
     attn = model.model.layers[0].self_attn
     group = attn.q_proj._group
     x = mx.random.normal((1, 3, 128))
@@ -101,7 +101,7 @@ def test_a_kv_cache_holds_only_its_own_bytes_after_a_whole_buffer_prefill(tmp_pa
     from mlx_lm.models.cache import make_prompt_cache
 
     model = _model(tmp_path)
-    _qmatmul.use_fast_qmm(model)  # groups the siblings too
+    qmm_layers.use_fast_qmm(model)  # groups the siblings too
     assert type(model.model.layers[0].self_attn.v_proj).__name__ == "_GroupedQuantizedLinear"
     for length in (256, 250):
         gc.collect()
@@ -157,7 +157,7 @@ def test_biases_added_by_the_grouped_product(bits, monkeypatch):
     ref = _logits(model)
     plain = _ops(model)
     monkeypatch.setenv(qmm_groups.NO_GROUPS_ENV, "1")
-    _qmatmul.use_fast_qmm(model)
+    qmm_layers.use_fast_qmm(model)
     apart = _logits(model)
     monkeypatch.delenv(qmm_groups.NO_GROUPS_ENV)
     assert qmm_groups.group_siblings(model) == 2 * 2
