@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import trio
 from quart import current_app
@@ -33,9 +33,6 @@ from ._body import MAX_DEPTH
 from ._drain import Drain
 from ._ids import InFlight
 from ._registry import ModelChoice, ModelRegistry
-
-if TYPE_CHECKING:
-    from ._asgi import AFMQuart
 
 __all__ = ["AppState", "LiveResponse", "ServerConfig", "current_state"]
 
@@ -142,6 +139,13 @@ class AppState:
         return sum(self.cancel(rid) for rid in self.inflight.ids())
 
 
+class _StateHolder(Protocol):
+    """The face of ``afm_http._asgi.AFMQuart`` that :func:`current_state` reads
+    (that app class builds on this module, so it is not imported here)."""
+
+    afm_state: AppState
+
+
 def current_state() -> AppState:
     """The state of the app handling the current request."""
-    return cast("AFMQuart", current_app).afm_state
+    return cast(_StateHolder, current_app).afm_state
