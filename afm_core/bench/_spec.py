@@ -57,6 +57,7 @@ from ._real_models import ModelSpec, resolve_specs
 from ._real_report import decode_rates
 from ._real_targets import Opened, TargetContext, open_target, probe_info, unavailable
 from ._results import RunResult
+from ._spec_report import build_spec_report, bytes_per_token
 from ._stats import ratio
 from ._workload import Workload
 
@@ -95,15 +96,6 @@ class SpecConfig:
 
 def _log(msg: str) -> None:
     print(f"[afm bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def bytes_per_token(*, decoded: int, proposed: int, accepted: int, model_bytes: int,
-                    draft_bytes: int = 0) -> float | None:
-    """Weight bytes read per emitted token (see the module docstring)."""
-    if decoded <= 0:
-        return None
-    steps = max(decoded - accepted, 0)
-    return (proposed * draft_bytes + steps * model_bytes) / decoded
 
 
 def _resolve(item: str, gguf_dir: tuple[str, ...]) -> ModelSpec:
@@ -199,8 +191,6 @@ async def _level(o: Opened, wl: Workload, first: int, n: int, cfg: SpecConfig) -
 async def run_speculation(cfg: SpecConfig) -> dict[str, Any]:
     """Run the speculation comparison and return its report dict."""
     from afm_core._mlx.blas import physical_cores
-
-    from ._spec_report import build_spec_report
 
     model, draft = await trio.to_thread.run_sync(
         lambda: (_resolve(cfg.model, cfg.gguf_dir), _resolve(cfg.draft, cfg.gguf_dir)))

@@ -22,10 +22,19 @@ from ._report import write_report
 from ._results import RunResult
 from ._stats import ratio
 
-__all__ = ["build_spec_report", "format_spec_table", "write_spec_report"]
+__all__ = ["build_spec_report", "bytes_per_token", "format_spec_table", "write_spec_report"]
 
 PLAIN_OF = {"ours+lookup": "ours", "ours+draft": "ours", "llama.cpp+draft": LLAMACPP}
 OURS = "ours"
+
+
+def bytes_per_token(*, decoded: int, proposed: int, accepted: int, model_bytes: int,
+                    draft_bytes: int = 0) -> float | None:
+    """Weight bytes read per emitted token (see ``_spec``'s module docstring)."""
+    if decoded <= 0:
+        return None
+    steps = max(decoded - accepted, 0)
+    return (proposed * draft_bytes + steps * model_bytes) / decoded
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -75,7 +84,6 @@ def _row(target: str, wl: str, rounds: dict[int, RunResult],
         if theirs:
             row[key], row[key + "_by_round"] = _paired(rounds, theirs)
     if model_bytes:
-        from ._spec import bytes_per_token
 
         bd = (draft_bytes or 0) if drafted else 0
         row["bytes_per_token"] = bytes_per_token(decoded=decoded, proposed=int(proposed),
