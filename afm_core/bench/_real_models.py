@@ -99,8 +99,8 @@ def find_known_gguf(name: str, dirs: list[Path], *, fetch: bool = True) -> Path:
     for d in dirs:
         if (d / file).is_file():
             return d / file
-    from afm_core._errors import ModelLoadError
-    from afm_core.testing._real_gguf import REAL_GGUFS, fetch_real_gguf
+    from afm_core import ModelLoadError
+    from afm_core.testing import REAL_GGUFS, fetch_real_gguf
 
     if fetch and name in REAL_GGUFS:
         try:
@@ -189,8 +189,7 @@ def _dir_facts(directory: str) -> dict[str, Any]:
 
 def _afm_side(spec: ModelSpec, source: str | None) -> None:
     """Fill ``directory`` (or ``afm_error``) by resolving as ``afm serve`` does."""
-    from afm_core._errors import ModelLoadError
-    from afm_core._models.resolve import resolve_model
+    from afm_core import ModelLoadError, resolve_model
 
     try:
         spec.directory = str(resolve_model(source))
@@ -214,7 +213,7 @@ def resolve_specs(models: tuple[str, ...], *, model_dir: str | None = None,
     """The run's models and, by name, those that cannot run at all (a file
     not found).  ``model_dir`` with one ``gguf``: afm on that directory,
     llama.cpp on that file (a directory without ``gguf``: afm targets only)."""
-    from afm_core._errors import ModelLoadError
+    from afm_core import ModelLoadError
     from afm_core._models.default_model import fetch_default_gguf
 
     specs: list[ModelSpec] = []

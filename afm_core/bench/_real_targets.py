@@ -90,9 +90,9 @@ class Opened:
 
 
 def _afm_isa_best() -> str | None:
-    from afm_core._mlx.qmatmul import kernel_isa
+    from afm_core import runtime_info
 
-    return kernel_isa()
+    return runtime_info().quantized_kernel
 
 
 def unavailable(key: str, spec: ModelSpec, ctx: TargetContext) -> str | None:
@@ -215,9 +215,9 @@ async def probe_info(opened: Opened, threads: int) -> dict[str, Any]:
         return {"isa": health.get("quantized_kernel"), "blas": blas,
                 "threads": (blas or {}).get("threads")}
     if key in ("raw", "raw_kernels"):
-        from afm_core._mlx.blas import blas_info
+        from afm_core import runtime_info
 
-        blas = blas_info().as_dict()
+        blas = runtime_info().blas
         return {"isa": _afm_isa_best() if key == "raw_kernels" else "mlx", "blas": blas,
                 "threads": blas.get("threads")}
     if key == "peer":

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 def _fetch_real(name: str) -> int:
     import sys
 
-    from .._errors import AFMError
+    from afm_core import AFMError
+
     from ._real_gguf import fetch_real_gguf
 
     try:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._errors import ModelLoadError
+from afm_core import ModelLoadError
+
 from .._models.default_model import afm_home, cache_lock
 
 __all__ = ["REAL_GGUFS", "RealGGUF", "fetch_real_gguf", "real_gguf_path"]
