@@ -202,6 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=1, metavar="N",
                       help="speculate only while at most N streams decode; more run the plain batched "
                            "step (decided before every step; 0: never; default: 1)")
+    engine.add_argument("--keep-volatile-lines", action="store_true",
+                        help="keep the per-request lines clients put into system prompts (Claude Code's "
+                             "x-anthropic-billing-header); by default they are taken out so sessions "
+                             "share their prefix in the prefix cache")
     engine.add_argument("--no-grammar", action="store_true",
                         help="run strict JSON schemas best-effort (X-Grammar-Constraints: downgraded)")
     engine.add_argument("--no-enforce-json-modes", action="store_true",
@@ -307,6 +311,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_dtype=args.kv_dtype,
                         default_max_tokens=args.default_max_tokens,
                         grammar=not args.no_grammar,
+                        keep_volatile_lines=args.keep_volatile_lines,
                         enforce_json_modes=not args.no_enforce_json_modes,
                         warmup=not args.no_warmup,
                         cpu_fusion=not args.no_cpu_fusion,

@@ -127,6 +127,12 @@ class EngineConfig:
     context length minus the prompt), and a value is still capped by it.  A
     lower cap stops a stream that never ends on its own from holding a batch
     place until the context is full."""
+    keep_volatile_lines: bool = False
+    """Keep the volatile lines clients put into system text (Claude Code's
+    per-prompt ``x-anthropic-billing-header:`` line; the rule list is
+    :data:`afm_core.api.volatile.VOLATILE_LINES`).  False (the default)
+    takes them out before the chat template renders the prompt, so sessions
+    that differ only there share their prefix in the prefix cache."""
     grammar: bool = True
     """Enforce what a request makes strict (a ``json_schema`` with
     ``strict: true``, ``tool_choice`` ``required`` or a named function, strict

@@ -555,11 +555,13 @@ class Engine:
         tokenizer, info = self._tokenizer, self._info()
 
         def run(ticket: Ticket) -> list[int]:
+            from ..api.volatile import strip_volatile
             from .prepare import chat_prompt, completion_prompt
 
             if isinstance(req, CompletionRequest):
                 return completion_prompt(req, tokenizer, info, check=ticket.check)
-            return chat_prompt(req, tokenizer, info, check=ticket.check)[0]
+            chat = req if self.config.keep_volatile_lines else strip_volatile(req)
+            return chat_prompt(chat, tokenizer, info, check=ticket.check)[0]
 
         return await self._side_call(run, cost=request_cost(req))
 

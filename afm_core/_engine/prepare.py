@@ -22,6 +22,7 @@ from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
+from ..api.volatile import strip_volatile
 from . import grammar as g
 from .commands import Job, JobKey
 from .config import EngineConfig
@@ -210,6 +211,8 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         return Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, pipeline=pipeline,
                    profile=recorder, stop_at_eos=not request.ignore_eos,
                    prompt_top_logprobs=request.prompt_logprobs, progress=progress, adapter=adapter), False
+    if not config.keep_volatile_lines:
+        request = strip_volatile(request)
     prompt, text = chat_prompt(request, tokenizer, info, check=_within(info, "messages", ticket))
     ticket.check()
     if not prompt:
