@@ -22,16 +22,30 @@ returns, except that among several shortest sequences it may pick another one
 mlx-lm's ``fetch_nearest_cache`` would serve a prompt from and how many of
 its tokens: the disk tier (:mod:`.disk_cache`) matches with the same rules,
 and the engine compares the two tiers' answers with it.
+
+**Pins** (Anthropic's ``cache_control`` breakpoints): :class:`PinningPromptCache`
+is mlx-lm's cache with :meth:`~PinningPromptCache.pin`, which keeps a prefix
+(a model key and its first tokens) held for ``ttl`` seconds of its ``clock``
+(``time.monotonic``; tests inject theirs).  A pin is held by the entries
+whose tokens begin with it (an entry serves every prefix of itself: the
+trimmable caches of the engine's models; a request's entry holds its
+prompt's breakpoints).  Eviction (the entry count, the byte budget) takes
+the least recently inserted entry that is not the last holder of a live
+pin (the most recently inserted holder of each pin is kept); only when
+every entry left is one does it take the least recent of those.  An
+expired pin protects nothing and is forgotten.  The memory tier only: the
+disk tier evicts by its own LRU.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult, can_trim_prompt_cache
 
-__all__ = ["PrefixTrie", "make_prefix_cache", "memory_served", "served_prefix"]
+__all__ = ["PinningPromptCache", "PrefixTrie", "make_prefix_cache", "memory_served", "served_prefix"]
 
 _VALUE = "__value__"
 _MIN = "__min__"
@@ -124,9 +138,84 @@ class PrefixTrie(PromptTrie):
         return PromptTrieResult(model, None, shorter, longer, index)
 
 
-def make_prefix_cache(max_size: int, max_bytes: int) -> LRUPromptCache:
-    """mlx-lm's ``LRUPromptCache`` indexed by a :class:`PrefixTrie`."""
-    cache = LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+class PinningPromptCache(LRUPromptCache):
+    """mlx-lm's ``LRUPromptCache`` whose eviction spares pinned prefixes (see the module docstring)."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.clock = clock
+        self._pins: dict[tuple[Any, tuple[int, ...]], float] = {}  # (model, prefix) -> expiry
+
+    def pin(self, model: Any, tokens: list[int], ttl: float) -> None:
+        """Hold ``tokens`` (a prefix of stored entries) for ``ttl`` seconds from now
+        (a pin already held longer keeps its expiry)."""
+        if not tokens or ttl <= 0:
+            return
+        key = (model, tuple(tokens))
+        self._pins[key] = max(self._pins.get(key, 0.0), self.clock() + ttl)
+
+    def pins(self) -> dict[tuple[Any, tuple[int, ...]], float]:
+        """The live pins, ``(model, prefix) -> expiry`` (the expired ones are forgotten)."""
+        now = self.clock()
+        for key in [k for k, expiry in self._pins.items() if expiry <= now]:
+            del self._pins[key]
+        return dict(self._pins)
+
+    def pinned(self, model: Any, tokens: list[int]) -> bool:
+        """Whether the entry ``(model, tokens)`` is the one holding a live pin."""
+        return (model, tuple(tokens)) in self._holders()
+
+    def _order(self) -> list[tuple[Any, list[int]]]:
+        """The entries, least recently inserted first."""
+        return [entry for kind in self._lru._ordering for entry in self._lru._lrus[kind]]
+
+    def _holders(self) -> set[tuple[Any, tuple[int, ...]]]:
+        pins = self.pins()
+        if not pins:
+            return set()
+        order = self._order()
+        held: set[tuple[Any, tuple[int, ...]]] = set()
+        for model, prefix in pins:
+            n = len(prefix)
+            for m, toks in reversed(order):  # the most recent holder keeps the pin
+                if m == model and len(toks) >= n and tuple(toks[:n]) == prefix:
+                    held.add((m, tuple(toks)))
+                    break
+        return held
+
+    def _evict_one(self) -> None:
+        order = self._order()
+        held = self._holders()
+        model, tokens = next(((m, t) for m, t in order if (m, tuple(t)) not in held), order[0])
+        self._lru.remove(model, tokens)
+        entry = self._trie.pop(model, tokens)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        bounds = self.max_size, self.max_bytes
+        self.max_size, self.max_bytes = 1 << 62, 1 << 62  # mlx-lm's own eviction off: ours below
+        try:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        finally:
+            self.max_size, self.max_bytes = bounds
+        self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        most = max(0, n_sequences) if n_sequences is not None else 1 << 62
+        budget = max(0, n_bytes) if n_bytes is not None else 1 << 62
+        while len(self._lru) > most:
+            self._evict_one()
+        while self._n_bytes > budget and len(self._lru):
+            self._evict_one()
+
+
+def make_prefix_cache(max_size: int, max_bytes: int,
+                      clock: Callable[[], float] = time.monotonic) -> PinningPromptCache:
+    """A :class:`PinningPromptCache` indexed by a :class:`PrefixTrie`."""
+    cache = PinningPromptCache(max_size=max_size, max_bytes=max_bytes, clock=clock)
     cache._trie = PrefixTrie()
     return cache
 

@@ -108,3 +108,66 @@ def test_served_prefix_says_what_fetch_nearest_cache_serves(stored: list[tuple[l
             found = served_prefix(cache._trie, "m", list(prompt), lambda e: e.prompt_cache[0].is_trimmable())
             assert found is not None and found[1] == served
             assert got[0].offset == served
+
+
+class _Layer:
+    """A stand-in KV layer: a size and trimmable, as the engine's caches are."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def is_trimmable(self) -> bool:
+        return True
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stored(cache: Any) -> list[tuple[int, ...]]:
+    return [tuple(t) for _, t in cache._order()]
+
+
+def test_pinned_prefixes_survive_a_budget_squeeze_until_their_ttl() -> None:
+    clock = _Clock()
+    cache = make_prefix_cache(max_size=10, max_bytes=300, clock=clock)
+    system = [1, 2, 3]
+    cache.insert_cache("m", [*system, 10], [_Layer(100)])  # the session with a breakpoint
+    cache.pin("m", system, 300.0)
+    cache.insert_cache("m", [7, 7, 1], [_Layer(100)])
+    cache.insert_cache("m", [8, 8, 1], [_Layer(100)])
+    assert cache.nbytes == 300 and cache.pinned("m", [*system, 10])
+    # a fourth entry: the least recent unpinned one goes, not the older pinned one
+    cache.insert_cache("m", [9, 9, 1], [_Layer(100)])
+    assert _stored(cache) == [(*system, 10), (8, 8, 1), (9, 9, 1)]
+    cache.trim_to(n_bytes=100)  # the squeeze takes every unpinned entry first
+    assert _stored(cache) == [(*system, 10)] and cache.nbytes == 100
+    assert memory_served(cache, "m", [*system, 42, 43]) == 3
+    # past its ttl the pin protects nothing: plain LRU again
+    clock.now += 299.0
+    assert cache.pins()
+    clock.now += 2.0
+    assert not cache.pins() and not cache.pinned("m", [*system, 10])
+    cache.insert_cache("m", [5, 5], [_Layer(100)])
+    cache.trim_to(n_bytes=100)
+    assert _stored(cache) == [(5, 5)]
+
+
+def test_a_pin_is_held_by_its_most_recent_entry_only() -> None:
+    clock = _Clock()
+    cache = make_prefix_cache(max_size=2, max_bytes=1 << 30, clock=clock)
+    cache.pin("m", [1, 2], 3600.0)
+    cache.insert_cache("m", [1, 2, 5], [_Layer(10)])
+    cache.insert_cache("m", [1, 2, 6], [_Layer(10)])
+    assert not cache.pinned("m", [1, 2, 5]) and cache.pinned("m", [1, 2, 6])
+    cache.insert_cache("m", [4], [_Layer(10)])  # over max_size: the older holder goes
+    assert _stored(cache) == [(1, 2, 6), (4,)]
+    cache.insert_cache("m", [3], [_Layer(10)])
+    assert _stored(cache) == [(1, 2, 6), (3,)]
+    # another model's entries never hold it
+    cache.insert_cache("other", [1, 2, 6], [_Layer(10)])
+    assert [(m, tuple(t)) for m, t in cache._order()] == [("m", (1, 2, 6)), ("other", (1, 2, 6))]
