@@ -119,6 +119,10 @@ class Job:
     adapter: int = 0
     """The LoRA adapter the job runs with: an index into ``EngineConfig.adapters``
     plus one (0: none)."""
+    breakpoints: tuple[tuple[int, float], ...] = ()
+    """The request's cache breakpoints as ``(prompt tokens, ttl seconds)``: those
+    prefixes of the prompt are pinned in the prefix cache when the job's entry is
+    saved, and usage counts what they newly write (``Usage.cache_write_tokens``)."""
     # filled in by the generation thread
     uid: MlxUid | None = None
     """Given when the job is admitted into mlx-lm's batch."""

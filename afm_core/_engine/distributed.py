@@ -73,6 +73,7 @@ from .worker import Worker
 if TYPE_CHECKING:
     from mlx_lm.models.cache import LRUPromptCache
 
+    from .._mlx.prefix_cache import PinningPromptCache
     from .._models.loader import ModelInfo
 
 __all__ = [
@@ -431,14 +432,16 @@ class LeaderWorker(Worker):
         link.flush(["hello", hello], "the start-up hand-shake")
         threading.Thread(target=self._heartbeat, name="afm-distributed-heartbeat", daemon=True).start()
 
-    def _new_prefix_cache(self) -> LRUPromptCache:
+    def _new_prefix_cache(self) -> PinningPromptCache:
         if self.link is not None:
             self.link.record(["reset_cache"])
         return super()._new_prefix_cache()
 
     # -- what the journal needs beside the generator's operations -----------------
 
-    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0) -> None:
+    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0,
+                    pins: tuple[tuple[int, float], ...] = ()) -> None:
+        # no pins: the other ranks replay rank 0's evictions by their own LRU order
         super()._save_cache(tokens, cache, adapter)
         assert self.link is not None
         self.link.record(["save", list(tokens), len(self.prefix_cache)])

@@ -22,7 +22,7 @@ from .._models.loader import ModelInfo
 from .._stream.pipeline import StreamPipeline
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
-from ..api.volatile import strip_volatile
+from ..api.volatile import strip_volatile, strip_volatile_lines
 from . import grammar as g
 from .commands import Job, JobKey
 from .config import EngineConfig
@@ -228,9 +228,49 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
         tools=_tool_stage(request, info),
         structured=_structured_stage(request),
     )
-    job = Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens,
+    breakpoints = cache_breakpoints(request, prompt, tokenizer, info, config, ticket)
+    job = Job(key=key, request=request, prompt=prompt, max_tokens=max_tokens, breakpoints=breakpoints,
               pipeline=pipeline, profile=recorder, grammar=grammar, progress=progress, adapter=adapter)
     return job, downgraded
+
+
+def cache_breakpoints(request: ChatRequest, prompt: list[int], tokenizer: TokenizerWrapper, info: ModelInfo,
+                      config: EngineConfig, ticket: Ticket) -> tuple[tuple[int, float], ...]:
+    """``request``'s cache breakpoints as ``(prompt tokens, ttl)``: each
+    breakpoint's part of the conversation rendered alone (no generation
+    prompt) and tokenized; its tokens are those it shares with ``prompt``
+    from the start (a template that renders that part otherwise, or not as a
+    prefix, gives fewer, never more).  A part the template cannot render
+    alone (no messages, say) is no breakpoint."""
+    if not request.cache_breakpoints or config.prefix_cache_bytes == 0:
+        return ()
+    out: dict[int, float] = {}
+    seen: dict[tuple[int, str | None, int | None], int] = {}
+    for bp in request.cache_breakpoints:
+        part = (bp.messages, bp.system, bp.tools)
+        if part not in seen:
+            messages = list(request.messages[: bp.messages])
+            if bp.system is not None and messages and messages[0].get("role") == "system":
+                system = bp.system if config.keep_volatile_lines else strip_volatile_lines(bp.system)
+                messages[0] = {**messages[0], "content": system}
+            tools = request.tools[: bp.tools] if request.tools is not None and bp.tools is not None \
+                else request.tools
+            alone = dataclasses.replace(request, messages=tuple(messages), tools=tools or None)
+            try:
+                ids, _ = chat_prompt(alone, tokenizer, info, check=_within(info, "messages", ticket),
+                                     generation_prompt=False)
+            except RequestError:
+                ids = []
+            shared = 0
+            for a, b in zip(ids, prompt, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            seen[part] = min(shared, len(prompt) - 1)
+        n = seen[part]
+        if n > 0:
+            out[n] = max(out.get(n, 0.0), bp.ttl)
+    return tuple(sorted(out.items()))
 
 
 def adapter_index(request: ChatRequest | CompletionRequest, config: EngineConfig, info: ModelInfo) -> int:

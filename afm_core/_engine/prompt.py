@@ -44,8 +44,10 @@ from ..api.chat_request import ChatRequest
 __all__ = ["chat_prompt", "render_prompt"]
 
 
-def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
-    """The chat template's text for ``request``.
+def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo, *,
+                  generation_prompt: bool = True) -> str:
+    """The chat template's text for ``request`` (``generation_prompt``: with the
+    assistant turn's opening, as a prompt is; False: the messages only).
 
     A model without a chat template (a base model) refuses chat with a 400
     that points at ``/v1/completions``.  A template that does not read
@@ -71,7 +73,7 @@ def render_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo) -> str:
     for i, (msgs, tmpl_tools) in enumerate(attempts):
         try:
             text = tokenizer.apply_chat_template(
-                msgs, tools=tmpl_tools, add_generation_prompt=True, tokenize=False, **kwargs)
+                msgs, tools=tmpl_tools, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - template errors are the request's
             if i + 1 < len(attempts):
@@ -97,17 +99,19 @@ def _polyfill(request: ChatRequest, messages: list[dict[str, Any]], tools: list[
 
 
 def chat_prompt(request: ChatRequest, tokenizer: Any, info: ModelInfo,
-                check: Callable[[int], None] | None = None) -> tuple[list[int], str]:
+                check: Callable[[int], None] | None = None, *,
+                generation_prompt: bool = True) -> tuple[list[int], str]:
     """``(token ids, text)`` of ``request``'s prompt (see the module docstring);
-    ``check(n)`` runs between pieces of the tokenization (what it raises stops it)."""
+    ``check(n)`` runs between pieces of the tokenization (what it raises stops it);
+    ``generation_prompt``: as :func:`render_prompt`'s."""
     specials = special_spellings(tokenizer)
     if not specials or not any(_finder(specials).search(s) for s in _client_strings(request)):
-        text = render_prompt(request, tokenizer, info)
+        text = render_prompt(request, tokenizer, info, generation_prompt=generation_prompt)
         return encode(tokenizer, text, check=check), text
     masker = _Masker(specials)
     masked = replace(request, messages=masker.mask(request.messages),
                      tools=masker.mask(request.tools) if request.tools is not None else None)
-    rendered = render_prompt(masked, tokenizer, info)
+    rendered = render_prompt(masked, tokenizer, info, generation_prompt=generation_prompt)
     masker.verify(rendered)
     ids: list[int] = []
 

@@ -116,12 +116,12 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.generate import GenerationBatch
-    from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from .._mlx.disk_cache import DiskMatch, DiskPromptCache
     from .._mlx.lora import AdapterRows
     from .._mlx.prefill import EngineBatchGenerator, PromptScores
+    from .._mlx.prefix_cache import PinningPromptCache
     from .._mlx.speculative import Speculation
     from .sampling import SamplerCache
 
@@ -315,7 +315,7 @@ class Worker:
             kv_group_size=self.kv_group_size,
             kv_half=bool(self.kv_half),
         )
-        self.prefix_cache: LRUPromptCache = self._new_prefix_cache()
+        self.prefix_cache: PinningPromptCache = self._new_prefix_cache()
         if self.cache_dir is not None and self.disk is None:
             from .._mlx.disk_cache import DiskPromptCache, model_fingerprint
 
@@ -402,7 +402,7 @@ class Worker:
         """Whether finished requests' caches are kept (in either tier)."""
         return self.prefix_cache_bytes > 0 or self.disk is not None
 
-    def _new_prefix_cache(self) -> LRUPromptCache:
+    def _new_prefix_cache(self) -> PinningPromptCache:
         from .._mlx.prefix_cache import make_prefix_cache
 
         return make_prefix_cache(max_size=256, max_bytes=max(self.prefix_cache_bytes, 0))
@@ -854,7 +854,7 @@ class Worker:
         elif reason is not None:
             self._forget(job)
             if self.caching and r.prompt_cache is not None and r.all_tokens is not None:
-                self._save_cache(r.all_tokens, r.prompt_cache, job.adapter)
+                self._save_cache(r.all_tokens, r.prompt_cache, job.adapter, job.breakpoints)
         if reason is not None:
             if reason == "stop" and job.pipeline.saw_tool_call:
                 reason = "tool_calls"
@@ -922,7 +922,10 @@ class Worker:
             return events
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         events.append(Finish(reason))
-        usage = Usage(len(job.prompt), job.completion_tokens, job.cached_tokens)
+        written = 0
+        if job.breakpoints and self.caching:
+            written = max(0, max(n for n, _ in job.breakpoints) - job.cached_tokens)
+        usage = Usage(len(job.prompt), job.completion_tokens, job.cached_tokens, written)
         events.append(usage)
         if job.profile is not None:
             mx = self.mx
@@ -986,7 +989,10 @@ class Worker:
         self._prefill_ended(job)  # a leader leaving hands its parked jobs back to admission
         self.by_key.pop(job.key, None)
 
-    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0) -> None:
+    def _save_cache(self, tokens: list[int], cache: list[Any], adapter: int = 0,
+                    pins: tuple[tuple[int, float], ...] = ()) -> None:
+        """Keep a row's cache in the prefix cache's tiers; ``pins``: ``(tokens, ttl)``
+        prefixes of ``tokens`` to pin in the memory tier (cache breakpoints)."""
         # mlx-lm extracts a finished row's cache lazily, as a copy of a slice of
         # the whole batch's buffer: evaluate it, or every entry keeps that buffer
         # alive and the byte budget (which counts the slice) means nothing.
@@ -994,7 +1000,11 @@ class Worker:
         # queued on the stream, and the next step could not be built meanwhile.
         self.mx.async_eval([c.state for c in cache])
         if self.prefix_cache_bytes > 0:
-            self.prefix_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)
+            key = self._cache_key(adapter)
+            for n, ttl in pins:  # before the insertion's eviction, which then spares them
+                if 0 < n <= len(tokens):
+                    self.prefix_cache.pin(key, list(tokens[:n]), ttl)
+            self.prefix_cache.insert_cache(key, list(tokens), cache)
             self._trim_memory()
         if self.disk is not None:
             # written by the disk tier's I/O thread once that evaluation is done

@@ -91,6 +91,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    """Prompt tokens newly written to the prefix cache up to the request's last
+    cache breakpoint (Anthropic's ``cache_creation_input_tokens``; 0 without one)."""
 
     @property
     def total_tokens(self) -> int:

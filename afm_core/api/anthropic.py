@@ -56,10 +56,17 @@ What maps to what:
   the prompt and output filled the context), a matched stop sequence is
   ``stop_sequence``, and ``cancelled`` (``engine.cancel``) is ``end_turn``:
   the turn ended early, cleanly, with everything generated so far.
+* ``cache_control`` breakpoints (on tools, ``system`` blocks and message
+  blocks; ``ttl`` ``5m``, the default, or ``1h``) become the request's
+  ``cache_breakpoints``: the engine pins the prompt's prefix up to each in
+  its prefix cache for the ttl.  A message block's breakpoint covers its
+  whole message.
 * Usage: ``input_tokens`` at ``message_start`` is the whole prompt; the final
-  ``message_delta`` splits it into ``input_tokens`` and
-  ``cache_read_input_tokens`` (the engine's prefix-cache hits), as Anthropic
-  counts them; ``output_tokens`` is every generated token.
+  ``message_delta`` splits it as Anthropic counts: ``cache_read_input_tokens``
+  (read from the engine's prefix cache), ``cache_creation_input_tokens``
+  (the prefix up to the last breakpoint not read from it: newly written)
+  and ``input_tokens`` (the rest, after the last breakpoint); the three add
+  up to the prompt.  ``output_tokens`` is every generated token.
 
 A stream opened with a profile (the ``X-AFM-Profile`` header: the engine's
 one :class:`Profile` event, after its usage) is told so with
@@ -368,8 +375,9 @@ class MessageStream:
             return {"input_tokens": self.input_tokens, "output_tokens": 0,
                     "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
         cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        written = min(usage.cache_write_tokens, usage.prompt_tokens - cached)
+        return {"input_tokens": usage.prompt_tokens - cached - written, "output_tokens": usage.completion_tokens,
+                "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}
 
     def _stop_reason(self) -> str:
         reason = self.finish_reason

@@ -19,7 +19,7 @@ from typing import Any
 from .._errors import RequestError, UnsupportedError
 from ._hosted import anthropic_server_tool
 from ._validate import as_float, json_object
-from .chat_request import ChatRequest
+from .chat_request import CacheBreakpoint, ChatRequest
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -36,6 +36,7 @@ MAX_STOP_SEQUENCES = 64
 MAX_INT = 2**31 - 1
 MIN_THINKING_BUDGET = 1024
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 UNSUPPORTED_BLOCKS = frozenset({
     "image", "document", "search_result", "container_upload", "server_tool_use",
@@ -384,6 +385,46 @@ class MessagesRequest:
     """False for ``thinking.display: "omitted"``: thinking blocks are sent empty."""
 
 
+def _cache_control(block: Any, path: str) -> float | None:
+    """The ``ttl`` in seconds of a block's ``cache_control`` (None: no breakpoint)."""
+    if not isinstance(block, dict) or block.get("cache_control") is None:
+        return None
+    control = _dict(block["cache_control"], f"{path}.cache_control")
+    if control.get("type") != "ephemeral":
+        raise _fail(f"{path}.cache_control.type", "Input should be 'ephemeral'")
+    ttl = control.get("ttl")
+    if ttl is None:
+        return CACHE_TTLS["5m"]
+    if ttl not in CACHE_TTLS:
+        raise _fail(f"{path}.cache_control.ttl", "Input should be '5m' or '1h'")
+    return CACHE_TTLS[ttl]
+
+
+def _breakpoints(body: dict[str, Any], turns: list[_Turn], ends: list[int]) -> tuple[CacheBreakpoint, ...]:
+    """The ``cache_control`` breakpoints of tools, ``system`` blocks and messages
+    (``ends[i]``: the chat messages that turns up to ``i`` make)."""
+    out: list[CacheBreakpoint] = []
+    kept = 0
+    for i, tool in enumerate(body.get("tools") or ()):
+        if not anthropic_server_tool(tool.get("type")):
+            kept += 1
+        ttl = _cache_control(tool, f"tools.{i}")
+        if ttl is not None:
+            out.append(CacheBreakpoint(messages=0, ttl=ttl, tools=kept))
+    system = body.get("system")
+    if isinstance(system, list):
+        texts = _texts(system, "system")
+        for j, block in enumerate(system):
+            ttl = _cache_control(block, f"system.{j}")
+            if ttl is not None:
+                out.append(CacheBreakpoint(messages=1, ttl=ttl, system="\n".join(texts[: j + 1])))
+    for turn, end in zip(turns, ends, strict=True):
+        ttls = [t for path, block in turn.blocks if (t := _cache_control(block, path)) is not None]
+        if ttls:
+            out.append(CacheBreakpoint(messages=end, ttl=max(ttls)))
+    return tuple(out)
+
+
 def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(OpenAI-style chat body, Anthropic extras)``, validated in Anthropic's words."""
     body = json_object(body)
@@ -394,12 +435,15 @@ def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any
     turns, inside = _turns(_required(body, "messages"))
     system = _system(body, inside)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
+    ends: list[int] = []
     for turn in turns:
         if turn.role == "user":
             messages.extend(_user(turn))
         else:
             messages.append(_assistant(turn))
+        ends.append(len(messages))
     tools, skipped = _tools(body.get("tools"))
+    breakpoints = _breakpoints(body, turns, ends)
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     enable_thinking, show_thinking = _thinking(body.get("thinking"), max_tokens)
     effort, response_format = _output_config(body.get("output_config"))
@@ -430,7 +474,7 @@ def _chat_body(body: Any, *, count: bool) -> tuple[dict[str, Any], dict[str, Any
         chat["response_format"] = response_format
     extras = {"model": model, "stream": stream, "max_tokens": max_tokens or 0,
               "stop_sequences": _stop_sequences(body.get("stop_sequences")) if not count else (),
-              "show_thinking": show_thinking, "skipped": skipped}
+              "show_thinking": show_thinking, "skipped": skipped, "breakpoints": breakpoints}
     return chat, extras
 
 
@@ -438,9 +482,12 @@ def parse_request(body: Any) -> MessagesRequest:
     """Validate a ``POST /v1/messages`` body; :class:`RequestError` (400) in Anthropic's words."""
     chat, extras = _chat_body(body, count=False)
     skipped = extras.pop("skipped")
+    breakpoints = extras.pop("breakpoints")
     request = ChatRequest.from_openai(chat)
     if skipped:
         request = replace(request, skipped_tools=skipped)
+    if breakpoints:
+        request = replace(request, cache_breakpoints=breakpoints)
     return MessagesRequest(chat=request, **extras)
 
 

@@ -293,6 +293,19 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    """A prompt-caching breakpoint (Anthropic's ``cache_control``): the prompt's
+    prefix that the request's first ``messages`` messages (and the first
+    ``tools`` tools; None: all) render to, with ``system`` (not None) as the
+    first message's text, is pinned in the prefix cache for ``ttl`` seconds."""
+
+    messages: int
+    ttl: float = 300.0
+    system: str | None = None
+    tools: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     """One validated chat completion request."""
 
@@ -334,6 +347,9 @@ class ChatRequest:
     skipped_tools: tuple[str, ...] = ()
     """The body's tools not offered to the model (hosted tools afm does not run:
     :mod:`afm_core.api._hosted`), by type; the ``X-AFM-Skipped-Tools`` header."""
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    """Prompt-caching breakpoints (the Messages API's ``cache_control``): their
+    prefixes are pinned and counted as ``cache_creation_input_tokens``."""
 
     def per_choice(self) -> tuple[ChatRequest, ...]:
         """One request per choice (``n`` of them, each with ``n`` = 1).  With a

@@ -69,3 +69,94 @@ def test_the_rule_list_removes_whole_lines_only() -> None:
     out = strip_volatile_messages(messages)
     assert out[0]["content"][0]["text"] == "You are helpful.\nsay x-anthropic-billing-header: no\n"
     assert out[1] == messages[1]  # only system text is touched
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cached_system(ttl: str | None = None) -> list[Any]:
+    control = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+    return [{"type": "text", "text": SYSTEM, "cache_control": control}]
+
+
+async def test_breakpoints_are_written_then_read_and_pinned_for_their_ttl(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine):
+        clock = _Clock()
+        cache = engine._worker.prefix_cache
+        cache.clock = clock
+        # the system breakpoint's prefix: the template's system turn, exactly
+        n_system = len(await engine.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"))
+        n_opening = len(await engine.tokenize("<|im_start|>assistant\n"))
+        client = client_for(url)
+
+        async def ask(system: Any, content: Any) -> tuple[Any, int]:
+            kw = {"model": "m", "system": system, "messages": [{"role": "user", "content": content}]}
+            total = (await client.messages.count_tokens(**kw)).input_tokens
+            usage = (await client.messages.create(max_tokens=20, **kw)).usage
+            assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == total
+            return usage, total
+
+        first, total = await ask(cached_system(), "first question")
+        assert (first.cache_read_input_tokens, first.cache_creation_input_tokens) == (0, n_system)
+        assert first.input_tokens == total - n_system
+        pins = cache.pins()
+        assert [(len(prefix), expiry) for (_, prefix), expiry in pins.items()] == [(n_system, 1300.0)]
+
+        # the next session reads the breakpoint (and the user turn's opening) and writes nothing
+        second, total = await ask(cached_system(), "second question")
+        assert second.cache_read_input_tokens >= n_system and second.cache_creation_input_tokens == 0
+        assert second.input_tokens == total - second.cache_read_input_tokens
+
+        # a breakpoint on the last user block (1h): everything but the assistant's opening
+        # is written, less what was read
+        third, total = await ask(SYSTEM, [{"type": "text", "text": "third question",
+                                           "cache_control": {"type": "ephemeral", "ttl": "1h"}}])
+        read = third.cache_read_input_tokens
+        assert read >= n_system and third.cache_creation_input_tokens == total - n_opening - read
+        assert third.input_tokens == n_opening
+        assert sorted(expiry for expiry in cache.pins().values()) == [1300.0, 1000.0 + 3600]
+
+        # no breakpoint: nothing written, as before
+        plain, total = await ask(SYSTEM, "fourth question")
+        assert plain.cache_creation_input_tokens == 0
+        assert plain.input_tokens == total - plain.cache_read_input_tokens
+
+        clock.now += 301  # the 5-minute pin has expired; the hour's holds
+        assert sorted(cache.pins().values()) == [1000.0 + 3600]
+        clock.now += 3600
+        assert cache.pins() == {}
+        await client.close()
+
+
+async def test_openai_routes_report_cached_tokens_only(echo_model_dir: Path) -> None:
+    import httpx
+
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        body = {"model": "m", "max_tokens": 10, "messages": [{"role": "system", "content": SYSTEM},
+                                                             {"role": "user", "content": "hi"}]}
+        await c.post("/v1/chat/completions", json=body)
+        usage = (await c.post("/v1/chat/completions", json=body)).json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] - 1}
+
+
+async def test_bad_cache_control_is_a_bad_request(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, _):
+        client = client_for(url)
+        for control, param in (({"type": "persistent"}, "system.0.cache_control.type"),
+                               ({"type": "ephemeral", "ttl": "2h"}, "system.0.cache_control.ttl"),
+                               ("yes", "system.0.cache_control")):
+            try:
+                await client.messages.create(
+                    model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                    system=[{"type": "text", "text": "s", "cache_control": control}])  # type: ignore[typeddict-item]
+            except anthropic.BadRequestError as exc:
+                assert exc.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+                assert exc.body["error"]["message"].startswith(param)  # type: ignore[index]
+            else:
+                raise AssertionError(f"{control!r} was accepted")
+        await client.close()
