@@ -160,3 +160,32 @@ async def test_bad_cache_control_is_a_bad_request(echo_model_dir: Path) -> None:
             else:
                 raise AssertionError(f"{control!r} was accepted")
         await client.close()
+
+
+async def _squeezed(url: str, engine: Any, pinned: bool) -> int:
+    """Tokens the session's system prompt reads back after other sessions
+    squeezed the memory tier to about two entries."""
+    client = client_for(url)
+    system: Any = cached_system() if pinned else SYSTEM
+    await client.messages.create(model="m", max_tokens=5, system=system,
+                                 messages=[{"role": "user", "content": "first"}])
+    worker = engine._worker
+    one = worker.prefix_cache.nbytes
+    worker.prefix_cache_bytes = int(2.5 * one)  # the test's squeeze: about two entries fit
+    for i in range(4):  # other sessions, as long, sharing nothing with it
+        other = "".join(f"Other {i} line {j}: nothing in common here at all.\n" for j in range(60))
+        await client.messages.create(model="m", max_tokens=5, system=other,
+                                     messages=[{"role": "user", "content": "first"}])
+    assert len(worker.prefix_cache) <= 3  # of the 5 sessions: the oldest ones went
+    again = await client.messages.create(model="m", max_tokens=5, system=system,
+                                         messages=[{"role": "user", "content": "again"}])
+    await client.close()
+    return again.usage.cache_read_input_tokens
+
+
+async def test_a_pinned_prefix_survives_the_squeeze_that_evicts_unpinned_ones(echo_model_dir: Path) -> None:
+    async with running_server(echo_model_dir) as (url, engine):
+        n_system = len(await engine.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"))
+        assert await _squeezed(url, engine, pinned=True) >= n_system
+    async with running_server(echo_model_dir) as (url, engine):
+        assert await _squeezed(url, engine, pinned=False) < 10  # evicted: the template's start only
