@@ -234,6 +234,9 @@ def build_job(request: ChatRequest | CompletionRequest, *, key: JobKey, info: Mo
     return job, downgraded
 
 
+MAX_BREAKPOINTS = 4
+
+
 def cache_breakpoints(request: ChatRequest, prompt: list[int], tokenizer: TokenizerWrapper, info: ModelInfo,
                       config: EngineConfig, ticket: Ticket) -> tuple[tuple[int, float], ...]:
     """``request``'s cache breakpoints as ``(prompt tokens, ttl)``: each
@@ -241,12 +244,13 @@ def cache_breakpoints(request: ChatRequest, prompt: list[int], tokenizer: Tokeni
     prompt) and tokenized; its tokens are those it shares with ``prompt``
     from the start (a template that renders that part otherwise, or not as a
     prefix, gives fewer, never more).  A part the template cannot render
-    alone (no messages, say) is no breakpoint."""
-    if not request.cache_breakpoints or config.prefix_cache_bytes == 0:
+    alone (no messages, say) is no breakpoint.  The last :data:`MAX_BREAKPOINTS`
+    count (Anthropic's limit; each costs a rendering and a tokenization)."""
+    if not request.cache_breakpoints or (config.prefix_cache_bytes == 0 and config.cache_dir is None):
         return ()
     out: dict[int, float] = {}
     seen: dict[tuple[int, str | None, int | None], int] = {}
-    for bp in request.cache_breakpoints:
+    for bp in request.cache_breakpoints[-MAX_BREAKPOINTS:]:
         part = (bp.messages, bp.system, bp.tools)
         if part not in seen:
             messages = list(request.messages[: bp.messages])

@@ -178,8 +178,10 @@ class PinningPromptCache(LRUPromptCache):
         held: set[tuple[Any, tuple[int, ...]]] = set()
         for model, prefix in pins:
             n = len(prefix)
+            first, last = prefix[0], prefix[-1]
             for m, toks in reversed(order):  # the most recent holder keeps the pin
-                if m == model and len(toks) >= n and tuple(toks[:n]) == prefix:
+                if m == model and len(toks) >= n and toks[n - 1] == last and toks[0] == first \
+                        and tuple(toks[:n]) == prefix:
                     held.add((m, tuple(toks)))
                     break
         return held
