@@ -1010,6 +1010,9 @@ class Worker:
             # written by the disk tier's I/O thread once that evaluation is done
             from mlx_lm.models.cache import can_trim_prompt_cache
 
+            for n, ttl in pins:
+                if 0 < n <= len(tokens):
+                    self.disk.pin(list(tokens[:n]), ttl, adapter)
             self.disk.save(list(tokens), cache, can_trim_prompt_cache(cache), adapter)
 
     def _trim_memory(self) -> None:

@@ -38,6 +38,13 @@ so no file operation runs between two decode steps.
   other weights under the same name has another fingerprint: the old entries
   are another model's to it.
 
+* **Pins** (cache breakpoints, as the memory tier's:
+  :class:`~.prefix_cache.PinningPromptCache`): :meth:`DiskPromptCache.pin`
+  holds a prefix for a ttl of ``clock``; eviction takes the least recently
+  used entry that is not the most recently used holder of a live pin, and a
+  pinned one only when no other is left.  Pins live in the process: a
+  restart forgets them (the entries stay, in their order of use).
+
 One directory should belong to one server process at a time: two processes
 each evict by their own index (a file the other deletes is then a miss
 there, never a wrong answer).
@@ -55,6 +62,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +214,8 @@ class DiskPromptCache:
         self._models = [fingerprint, *(adapted_fingerprint(fingerprint, a) for a in adapters)]
         self._adapter_of = {m: i for i, m in enumerate(self._models)}
         self.wake = wake
+        self.clock: Callable[[], float] = time.monotonic
+        self._pins: dict[tuple[int, tuple[int, ...]], float] = {}  # (adapter, prefix) -> expiry
         self.stats = DiskStats()
         self._trie = PrefixTrie()
         self._lru: collections.OrderedDict[str, DiskEntry] = collections.OrderedDict()  # oldest use first
@@ -281,9 +291,37 @@ class DiskPromptCache:
         if self._unindex(entry, in_trie):
             self._chore("delete", entry.name)
 
+    def pin(self, tokens: list[int], ttl: float, adapter: int = 0) -> None:
+        """Hold the entries that begin with ``tokens`` (their most recently used
+        one) against eviction for ``ttl`` seconds from now."""
+        if not tokens or ttl <= 0:
+            return
+        key = (adapter, tuple(tokens))
+        self._pins[key] = max(self._pins.get(key, 0.0), self.clock() + ttl)
+
+    def _held(self) -> set[str]:
+        """The names of the entries holding a live pin (forgetting the expired pins)."""
+        now = self.clock()
+        for key in [k for k, expiry in self._pins.items() if expiry <= now]:
+            del self._pins[key]
+        held: set[str] = set()
+        if not self._pins:
+            return held
+        recent = list(reversed(self._lru.values()))
+        for adapter, prefix in self._pins:
+            n = len(prefix)
+            for entry in recent:
+                if entry.adapter == adapter and len(entry.tokens) >= n and entry.tokens[:n] == prefix:
+                    held.add(entry.name)
+                    break
+        return held
+
     def _evict(self) -> None:
         while self.stats.bytes > self.max_bytes and self._lru:
-            entry = next(iter(self._lru.values()))
+            held = self._held()
+            entries = iter(self._lru.values())
+            oldest = next(entries)
+            entry = oldest if oldest.name not in held else next((e for e in entries if e.name not in held), oldest)
             self._delete(entry)
             self.stats.evictions += 1
 

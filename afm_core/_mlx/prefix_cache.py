@@ -33,8 +33,8 @@ prompt's breakpoints).  Eviction (the entry count, the byte budget) takes
 the least recently inserted entry that is not the last holder of a live
 pin (the most recently inserted holder of each pin is kept); only when
 every entry left is one does it take the least recent of those.  An
-expired pin protects nothing and is forgotten.  The memory tier only: the
-disk tier evicts by its own LRU.
+expired pin protects nothing and is forgotten.  The disk tier
+(:mod:`.disk_cache`) keeps pins of its own by the same rules.
 """
 
 from __future__ import annotations

@@ -291,3 +291,30 @@ def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
         f.write_bytes(b"x")
     DiskPromptCache(tmp_path, 1 << 20, "fp").close()
     assert not dead.exists() and live.exists() and foreign.exists()
+
+
+def test_pinned_entries_are_evicted_after_the_unpinned_until_their_ttl(tmp_path: Path) -> None:
+    disk = DiskPromptCache(tmp_path, 1 << 30, "fp")
+    saved(disk, [1] * 50)
+    one = disk.stats.bytes
+    disk.close()
+    for f in tmp_path.iterdir():
+        f.unlink()
+    now = [100.0]
+    disk = DiskPromptCache(tmp_path, int(one * 2.5), "fp")
+    disk.clock = lambda: now[0]
+    try:
+        disk.pin([1] * 40, 300.0)  # a breakpoint inside the first entry
+        saved(disk, [1] * 50)
+        saved(disk, [2] * 50)
+        saved(disk, [3] * 50)  # over the budget: [2]*50 goes although [1]*50 is older
+        assert disk.nearest([2] * 50) is None and disk.stats.evictions == 1
+        assert disk.nearest([1] * 50) is not None
+        saved(disk, [4] * 50)  # and again: [3]*50
+        assert disk.nearest([3] * 50) is None and disk.nearest([1] * 50) is not None
+        now[0] += 301  # the pin expired: plain LRU, the oldest goes
+        saved(disk, [5] * 50)
+        assert disk.nearest([1] * 50) is None and disk.nearest([4] * 50) is not None
+        assert disk.stats.evictions == 3
+    finally:
+        disk.close()
