@@ -189,3 +189,17 @@ async def test_a_pinned_prefix_survives_the_squeeze_that_evicts_unpinned_ones(ec
         assert await _squeezed(url, engine, pinned=True) >= n_system
     async with running_server(echo_model_dir) as (url, engine):
         assert await _squeezed(url, engine, pinned=False) < 10  # evicted: the template's start only
+
+
+async def test_the_billing_line_is_taken_out_on_chat_too(echo_model_dir: Path) -> None:
+    import httpx
+
+    async with running_server(echo_model_dir) as (url, _), httpx.AsyncClient(base_url=url) as c:
+        usages = []
+        for cch in ("a1", "b2"):
+            system = f"x-anthropic-billing-header: cc_version=2.1.197.{cch}; cch={cch};\n{SYSTEM}"
+            body = {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": system},
+                                                                {"role": "user", "content": f"hi {cch}"}]}
+            usages.append((await c.post("/v1/chat/completions", json=body)).json()["usage"])
+        second = usages[1]
+        assert second["prompt_tokens_details"]["cached_tokens"] > 0.9 * second["prompt_tokens"]

@@ -200,3 +200,14 @@ def test_json_mode_flag_reaches_the_engine_config() -> None:
     add_arguments(parser)
     assert _engine_config(parser.parse_args([])).enforce_json_modes
     assert not _engine_config(parser.parse_args(["--no-enforce-json-modes"])).enforce_json_modes
+
+
+def test_keep_volatile_lines_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from afm_http._serve_cli import _engine_config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert not _engine_config(parser.parse_args([])).keep_volatile_lines
+    assert _engine_config(parser.parse_args(["--keep-volatile-lines"])).keep_volatile_lines
