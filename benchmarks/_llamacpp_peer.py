@@ -1,6 +1,6 @@
 """llama.cpp's own server loop on a GGUF, in a child process, for the kernel benchmarks.
 
-``xllamacpp`` (PyPI; the wheel is in ``/work/wheelhouse`` here) wraps
+``xllamacpp`` (PyPI, prebuilt) wraps
 ``llama-server``'s ``server_context``: continuous batching over ``n_parallel``
 slots and its HTTP endpoints.  :func:`llama_server` starts it in a child
 process (so its threads and memory are its own, and an idle server sleeps

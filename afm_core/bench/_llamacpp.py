@@ -55,7 +55,7 @@ REQUEST_EXTRA: dict[str, Any] = {"cache_prompt": False}
 def xllamacpp_unavailable() -> str | None:
     """Why the ``llama.cpp`` peer cannot run here, or None when it can."""
     hint = (f"install it with: pip install '{XLLAMACPP_PACKAGE}' (a prebuilt llama.cpp; "
-            "also in the extra 'afm[bench-llamacpp]'; or a wheel from /work/wheelhouse/)")
+            "also in the extra 'afm[bench-llamacpp]')")
     try:
         found = importlib.util.find_spec("xllamacpp") is not None
     except (ImportError, ValueError) as exc:
@@ -109,7 +109,7 @@ def isa_summary(system_info: str | None) -> str | None:
 def llamacpp_py_unavailable() -> str | None:
     """Why ``llama_cpp.server`` cannot run here, or None when it can."""
     hint = (f"install it with: pip install '{LLAMACPP_PY_PACKAGE}' (it compiles llama.cpp, "
-            "several minutes; or a wheel from /work/wheelhouse/)")
+            "several minutes)")
     try:
         if importlib.util.find_spec("llama_cpp") is None:
             return f"llama-cpp-python is not installed; {hint}"
