@@ -12,7 +12,7 @@ starts in the checkout that holds the venv, so it runs that checkout's code)
 with extra ``afm serve`` flags after it (``LABEL=PYTHON --embedding-step 64``)::
 
     .venv/bin/python benchmarks/embedding_gap.py \\
-        --target main=/work/main/.venv/bin/python \\
+        --target before=../afm-before/.venv/bin/python \\
         --target step512=.venv/bin/python \\
         --target "step128=.venv/bin/python --embedding-step 128" --rounds 3
 
