@@ -21,25 +21,20 @@ by :func:`restore_swiglu`, as :mod:`.attention` does for its kernel.
 from __future__ import annotations
 
 import os
-import sys
-import threading
-from types import ModuleType
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations as _activations
 
 from . import qmatmul as _qmm
-from .reference_ops import kernels_allowed
+from .reference_ops import ModuleRebinding, kernels_allowed
 
 __all__ = ["restore_swiglu", "swiglu", "use_fast_swiglu"]
 
 NO_FAST_SWIGLU_ENV = "AFM_NO_FAST_SWIGLU"
 _NAME = "swiglu"
 _original = _activations.swiglu
-_lock = threading.Lock()
-_users: dict[str, int] = {}  # module name -> models using the kernel there
 
 
 class _Swiglu(Protocol):
@@ -57,14 +52,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return cast(mx.array, _original(gate, x))
 
 
-def _modules(model: nn.Module) -> list[ModuleType]:
-    names = {type(layer).__module__ for _, layer in model.named_modules()}
-    found = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, _NAME, None) in (_original, swiglu):
-            found.append(module)
-    return found
+_REBINDING = ModuleRebinding(_NAME, _original, swiglu, "_afm_swiglu_modules")
+"""Where models point mlx-lm's ``swiglu`` at :func:`swiglu`."""
 
 
 def use_fast_swiglu(model: nn.Module) -> int:
@@ -74,30 +63,10 @@ def use_fast_swiglu(model: nn.Module) -> int:
     if (_qmm.extension() is None or mx.default_device() != mx.cpu
             or os.environ.get(NO_FAST_SWIGLU_ENV, "") not in ("", "0")):
         return 0
-    modules = _modules(model)
-    with _lock:
-        for module in modules:
-            setattr(module, _NAME, swiglu)
-            _users[module.__name__] = _users.get(module.__name__, 0) + 1
-    object.__setattr__(model, "_afm_swiglu_modules", tuple(m.__name__ for m in modules))
-    return len(modules)
+    return _REBINDING.use(model)
 
 
 def restore_swiglu(model: nn.Module) -> int:
     """Undo :func:`use_fast_swiglu` for ``model``: a module gets mlx-lm's
     function back when no other model uses the kernel there."""
-    names: tuple[str, ...] = getattr(model, "_afm_swiglu_modules", ())
-    if not names:
-        return 0
-    object.__delattr__(model, "_afm_swiglu_modules")
-    with _lock:
-        for name in names:
-            left = _users.get(name, 0) - 1
-            if left > 0:
-                _users[name] = left
-                continue
-            _users.pop(name, None)
-            module: Any = sys.modules.get(name)
-            if module is not None and getattr(module, _NAME, None) is swiglu:
-                setattr(module, _NAME, _original)
-    return len(names)
+    return _REBINDING.restore(model)

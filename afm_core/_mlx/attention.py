@@ -62,9 +62,6 @@ AVX-512).  ``AFM_NO_PREFILL_ATTENTION=1`` keeps MLX's graph for prompts.
 from __future__ import annotations
 
 import os
-import sys
-import threading
-from types import ModuleType
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
@@ -72,7 +69,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as _base
 
 from . import qmatmul as _qmm
-from .reference_ops import kernels_allowed
+from .reference_ops import ModuleRebinding, kernels_allowed
 
 __all__ = ["MAX_QUERY_POSITIONS", "restore_decode_attention", "scaled_dot_product_attention",
            "use_decode_attention"]
@@ -85,8 +82,6 @@ NO_DECODE_ATTENTION_ENV = "AFM_NO_DECODE_ATTENTION"
 NO_PREFILL_ATTENTION_ENV = "AFM_NO_PREFILL_ATTENTION"
 _NAME = "scaled_dot_product_attention"
 _original = _base.scaled_dot_product_attention
-_lock = threading.Lock()
-_users: dict[str, int] = {}  # module name -> models using the kernel there
 
 
 def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
@@ -189,15 +184,8 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _modules(model: nn.Module) -> list[ModuleType]:
-    names = {type(layer).__module__ for _, layer in model.named_modules()}
-    found = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, _NAME, None) in (
-                _original, scaled_dot_product_attention):
-            found.append(module)
-    return found
+_REBINDING = ModuleRebinding(_NAME, _original, scaled_dot_product_attention, "_afm_attention_modules")
+"""Where models point mlx-lm's ``scaled_dot_product_attention`` at this module's."""
 
 
 def use_decode_attention(model: nn.Module) -> int:
@@ -207,30 +195,10 @@ def use_decode_attention(model: nn.Module) -> int:
     if (_qmm.extension() is None or mx.default_device() != mx.cpu
             or os.environ.get(NO_DECODE_ATTENTION_ENV, "") not in ("", "0")):
         return 0
-    modules = _modules(model)
-    with _lock:
-        for module in modules:
-            setattr(module, _NAME, scaled_dot_product_attention)
-            _users[module.__name__] = _users.get(module.__name__, 0) + 1
-    object.__setattr__(model, "_afm_attention_modules", tuple(m.__name__ for m in modules))
-    return len(modules)
+    return _REBINDING.use(model)
 
 
 def restore_decode_attention(model: nn.Module) -> int:
     """Undo :func:`use_decode_attention` for ``model``: a module gets mlx-lm's
     function back when no other model uses the kernel there."""
-    names: tuple[str, ...] = getattr(model, "_afm_attention_modules", ())
-    if not names:
-        return 0
-    object.__delattr__(model, "_afm_attention_modules")
-    with _lock:
-        for name in names:
-            left = _users.get(name, 0) - 1
-            if left > 0:
-                _users[name] = left
-                continue
-            _users.pop(name, None)
-            module = sys.modules.get(name)
-            if module is not None and getattr(module, _NAME, None) is scaled_dot_product_attention:
-                setattr(module, _NAME, _original)
-    return len(names)
+    return _REBINDING.restore(model)

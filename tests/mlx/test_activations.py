@@ -111,7 +111,7 @@ def test_a_fused_model_uses_it_and_gives_it_back(random_model_dir):
     unfuse_cpu_kernels(model)
     assert module.swiglu is before
     if before is mlx_swiglu:  # the last user gave mlx-lm's function back
-        assert _activations._users.get(module.__name__) is None
+        assert _activations._REBINDING.users.get(module.__name__) is None
 
 
 @needs_ext

@@ -212,7 +212,7 @@ def test_use_and_restore_count_the_models_per_module(tmp_path, monkeypatch):
     from afm_core.testing import make_random_model
 
     # start from no user (an earlier test's model may still hold the module)
-    monkeypatch.setattr(_attention, "_users", {})
+    monkeypatch.setattr(_attention._REBINDING, "users", {})
     monkeypatch.setattr(qwen3, "scaled_dot_product_attention", _attention._original)
 
     path = make_random_model(tmp_path / "m", hidden_size=64, num_layers=1,
@@ -302,7 +302,7 @@ def test_off_switches_turn_every_kernel_off(tmp_path, monkeypatch):
     model = _fused_model(tmp_path)
     # the kernel's name is module-wide: a model another test left fused (before
     # the switch, which is read when a model is fused) may still route it there
-    for module in _attention._modules(model):
+    for module in _attention._REBINDING.modules(model):
         monkeypatch.setattr(module, "scaled_dot_product_attention", _attention._original)
     try:
         cache = make_prompt_cache(model)

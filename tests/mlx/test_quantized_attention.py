@@ -288,7 +288,7 @@ def test_the_off_switch_leaves_mlx_lm_attention(tmp_path, monkeypatch):
 
     from afm_core.testing import make_random_model
 
-    monkeypatch.setattr(_attention, "_users", {})
+    monkeypatch.setattr(_attention._REBINDING, "users", {})
     monkeypatch.setattr(qwen3, "scaled_dot_product_attention", _attention._original)
     model, _ = load_model(make_random_model(tmp_path / "m", hidden_size=64, num_layers=1, seed=1))
     monkeypatch.setenv(_attention.NO_DECODE_ATTENTION_ENV, "1")
