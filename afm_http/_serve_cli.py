@@ -29,16 +29,22 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from afm_core import EngineConfig
+
 from . import _distributed
 from ._argtypes import byte_count, positive_seconds
 from ._residency import FOREVER, parse_keep_alive
+from ._state import ServerConfig
 
 if TYPE_CHECKING:
-    from afm_core import Engine, EngineConfig
+    from afm_core import Engine
 
     from ._registry import ModelSpec
 
-DEFAULT_STORE_BYTES = 128 << 20
+_ENGINE = EngineConfig()
+"""``EngineConfig``'s field defaults: the engine flags' defaults are read here, declared once."""
+_SERVER = ServerConfig()
+"""``ServerConfig``'s defaults: the HTTP flags' defaults, declared once."""
 
 DEFAULT_KEEP_ALIVE = 300.0
 """How long an idle model stays loaded when several are served (Ollama's 5 minutes)."""
@@ -111,95 +117,95 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="without --api-key, also accept requests whose Host header is NAME "
                              "(besides IP addresses, localhost and --host; repeatable; '*' for any): "
                              "other names are refused, against DNS rebinding (default: none)")
-    parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=8 << 20,
+    parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=_SERVER.max_body_bytes,
                         help="larger request bodies get 413 (default: 8 MiB)")
-    parser.add_argument("--responses-store-size", type=_int_at_least(0), default=1000,
+    parser.add_argument("--responses-store-size", type=_int_at_least(0), default=_SERVER.responses_store_size,
                         metavar="N",
                         help="finished Responses API responses kept in memory for GET and "
                              "previous_response_id; the oldest is evicted (0: none; default: 1000)")
-    parser.add_argument("--responses-store-bytes", type=byte_count, default=DEFAULT_STORE_BYTES,
+    parser.add_argument("--responses-store-bytes", type=byte_count, default=_SERVER.responses_store_bytes,
                         metavar="N",
                         help="bytes (of their JSON) the stored Responses API responses may hold "
                              "together; the oldest are evicted (default: 128M)")
-    parser.add_argument("--responses-store-ttl", type=positive_seconds, default=3600.0,
+    parser.add_argument("--responses-store-ttl", type=positive_seconds, default=_SERVER.responses_store_ttl,
                         metavar="SECONDS",
                         help="how long a stored Responses API response is kept (default: 3600)")
-    parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=10.0,
+    parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=_SERVER.keepalive_seconds,
                         metavar="S",
                         help="a streaming response silent this long (queued or prefilling) gets "
                              "an SSE comment ': keepalive' (Anthropic's route: a ping event, the "
                              "Responses route: response.in_progress again); "
                              "0: none (default: 10)")
-    parser.add_argument("--stream-write-timeout", type=_seconds_or_zero, default=30.0, metavar="S",
+    parser.add_argument("--stream-write-timeout", type=_seconds_or_zero, default=_SERVER.stream_write_timeout, metavar="S",
                         help="close a connection whose client has taken none of a response's bytes "
                              "for S seconds (it stopped reading): its request is cancelled and its "
                              "slot freed; 0: wait forever (default: 30)")
-    parser.add_argument("--idle-timeout", type=positive_seconds, default=30.0, metavar="S",
+    parser.add_argument("--idle-timeout", type=positive_seconds, default=_SERVER.idle_timeout, metavar="S",
                         help="close a connection without a request in progress (between requests, "
                              "or still sending its headers) after S seconds (default: 30)")
-    parser.add_argument("--max-connections", type=_int_at_least(1), default=1024, metavar="N",
+    parser.add_argument("--max-connections", type=_int_at_least(1), default=_SERVER.max_connections, metavar="N",
                         help="open connections at most (lowered to fit the open-file limit, which "
                              "afm raises at start); at the cap a new connection closes the longest "
                              "idle one (default: 1024)")
     parser.add_argument("--no-ui", action="store_true",
                         help="do not serve the chat page at / (then 404)")
-    parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=0.0, metavar="S",
+    parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=_SERVER.drain_timeout, metavar="S",
                         help="on SIGTERM (or POST /admin/drain), report not ready and refuse new "
                              "generation requests at once, let running streams finish for up to S "
                              "seconds, then cancel the rest; 0: SIGTERM cancels open streams at "
                              "once (default: 0; behind a load balancer use e.g. 30)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-batch", type=_int_at_least(1), default=32,
+    engine.add_argument("--max-batch", type=_int_at_least(1), default=_ENGINE.max_batch,
                         help="streams decoded together (default: 32)")
-    engine.add_argument("--max-waiting", type=_int_at_least(0), default=64,
+    engine.add_argument("--max-waiting", type=_int_at_least(0), default=_ENGINE.max_waiting,
                         help="requests queued beyond --max-batch before 503 (default: 64)")
-    engine.add_argument("--prefill-batch", type=_int_at_least(1), default=8,
+    engine.add_argument("--prefill-batch", type=_int_at_least(1), default=_ENGINE.prefill_batch,
                         help="prompts prefilled together (default: 8)")
-    engine.add_argument("--prefill-step", type=_int_at_least(1), default=2048,
+    engine.add_argument("--prefill-step", type=_int_at_least(1), default=_ENGINE.prefill_step,
                         help="prompt tokens per prefill step (default: 2048)")
-    engine.add_argument("--prefill-step-decoding", type=_int_at_least(0), default=256, metavar="N",
+    engine.add_argument("--prefill-step-decoding", type=_int_at_least(0), default=_ENGINE.prefill_step_decoding, metavar="N",
                         help="while other streams decode, prompt tokens per prefill step, counted at "
                              "their cost at a prompt's start (later chunks of a long prompt hold fewer): "
                              "bounds how long a long prompt pauses the running streams; 0: always "
                              "--prefill-step (default: 256)")
-    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=None,
+    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=_ENGINE.prefix_cache_bytes,
                         help="prompt prefix cache budget, 0 disables it (default: the KV cache of one "
                              "request filling the model's context, at most 1 GiB)")
-    engine.add_argument("--cache-dir", default=None, metavar="DIR",
+    engine.add_argument("--cache-dir", default=_ENGINE.cache_dir, metavar="DIR",
                         help="keep the prefix cache on disk too, in DIR (created if missing): every "
                              "finished request's cache is written there in the background, read back "
                              "when memory no longer holds it, and found again after a restart "
                              "(one directory per server; not with --distributed; default: memory only)")
-    engine.add_argument("--cache-disk-bytes", type=_int_at_least(0), default=8 << 30, metavar="N",
+    engine.add_argument("--cache-disk-bytes", type=_int_at_least(0), default=_ENGINE.cache_disk_bytes, metavar="N",
                         help="bytes --cache-dir may use; the least recently used entries are deleted "
                              "beyond (default: 8 GiB)")
-    engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, metavar="{4,8}",
+    engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=_ENGINE.kv_bits, metavar="{4,8}",
                         help="quantize the KV cache to 8 or 4 bits per element from the first token "
                              "(mlx-lm's QuantizedKVCache, batched): 28%% (8) or 16%% (4) of float32's KV "
                              "bytes per token, for greedy output that can drift from float's; "
                              "--cache-dir entries are kept per setting "
                              "(not with --distributed; default: float)")
-    engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, metavar="{32,64,128}",
+    engine.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=_ENGINE.kv_group_size, metavar="{32,64,128}",
                         help="elements per scale and bias of the quantized KV cache; must divide the "
                              "model's head size (default: 64)")
-    engine.add_argument("--kv-dtype", choices=("auto", "float16", "model"), default="auto",
+    engine.add_argument("--kv-dtype", choices=("auto", "float16", "model"), default=_ENGINE.kv_dtype,
                         help="the float KV cache's element type: float16 (half of float32's bytes), "
                              "model (the type the model computes in), auto: float16 where the model "
                              "computes in float32 and its keys and values fit (default: auto)")
-    engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=None,
+    engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=_ENGINE.default_max_tokens,
                         help="cap for requests without max_tokens (default: the rest of the context)")
     spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
                                      "ones the same distribution; grammar, penalties, logit_bias and "
                                      "logprobs apply at every checked position)")
-    spec.add_argument("--prompt-lookup", type=_int_at_least(0), default=0, metavar="N",
+    spec.add_argument("--prompt-lookup", type=_int_at_least(0), default=_ENGINE.prompt_lookup, metavar="N",
                       help="propose up to N tokens per step from an earlier occurrence of the stream's last "
                            "tokens in its prompt or output, checked by one forward pass (0: off; default: 0)")
-    spec.add_argument("--draft-model", default=None, metavar="M",
+    spec.add_argument("--draft-model", default=_ENGINE.draft_model, metavar="M",
                       help="a smaller model with the same tokenizer proposes the tokens instead (an mlx-lm "
                            "directory, a .gguf or a hub id; default: none)")
-    spec.add_argument("--draft-tokens", type=_int_at_least(1), default=4, metavar="K",
+    spec.add_argument("--draft-tokens", type=_int_at_least(1), default=_ENGINE.draft_tokens, metavar="K",
                       help="tokens the draft model proposes per step (default: 4)")
-    spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=1, metavar="N",
+    spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=_ENGINE.spec_max_batch, metavar="N",
                       help="speculate only while at most N streams decode; more run the plain batched "
                            "step (decided before every step; 0: never; default: 1)")
     engine.add_argument("--keep-volatile-lines", action="store_true",
@@ -221,13 +227,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "writes it) as NAME on the first --model (or on MODEL); a request picks it "
                              "with model \"MODEL_ID:NAME\" or \"adapters\": \"NAME\"; repeatable. Rows on "
                              "different adapters decode in one batch")
-    engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default="mean",
+    engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default=_ENGINE.embedding_pooling,
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
-    engine.add_argument("--embedding-step", type=_int_at_least(1), default=512, metavar="N",
+    engine.add_argument("--embedding-step", type=_int_at_least(1), default=_ENGINE.embedding_step, metavar="N",
                         help="tokens of /v1/embeddings work computed between two decode steps, at most "
                              "(a long input in slices): running streams pause at most that long "
                              "(default: 512)")
-    engine.add_argument("--prepare-timeout", type=positive_seconds, default=60.0, metavar="S",
+    engine.add_argument("--prepare-timeout", type=positive_seconds, default=_ENGINE.prepare_timeout, metavar="S",
                         help="a request whose templating, tokenizing and grammar take longer than S "
                              "seconds gets 503 prepare_timeout (default: 60)")
     engine.add_argument("--embedding-model", default=None, metavar="M",
@@ -331,7 +337,6 @@ async def _main(args: argparse.Namespace) -> None:
 
     from ._registry import open_models
     from ._server import serve_engine
-    from ._state import ServerConfig
 
     specs = await _model_specs(args)
     several = _several(args)

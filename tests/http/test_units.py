@@ -211,3 +211,27 @@ def test_keep_volatile_lines_flag_reaches_the_engine_config() -> None:
     add_arguments(parser)
     assert not _engine_config(parser.parse_args([])).keep_volatile_lines
     assert _engine_config(parser.parse_args(["--keep-volatile-lines"])).keep_volatile_lines
+
+
+def test_serve_flags_default_to_the_config_defaults() -> None:
+    """Each setting is declared once: a flag named after an ``EngineConfig`` or
+    ``ServerConfig`` field takes that field's default, and ``afm serve`` with no
+    flags builds the default ``EngineConfig``."""
+    import argparse
+    import dataclasses
+
+    from afm_core import EngineConfig
+    from afm_http._serve_cli import _engine_config, add_arguments
+    from afm_http._state import ServerConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = vars(parser.parse_args([]))
+    checked = 0
+    for config in (EngineConfig(), ServerConfig()):
+        for f in dataclasses.fields(config):
+            if f.name in args:
+                assert args[f.name] == getattr(config, f.name), f.name
+                checked += 1
+    assert checked >= 25  # (the engine's and the server's tuning flags)
+    assert _engine_config(parser.parse_args([])) == EngineConfig()
