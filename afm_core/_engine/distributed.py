@@ -446,6 +446,11 @@ class LeaderWorker(Worker):
         assert self.link is not None
         self.link.record(["save", list(tokens), len(self.prefix_cache)])
 
+    def _keep_prefix(self, job: Any) -> None:
+        # A cancelled or dropped row's cache is not kept across ranks: the
+        # followers save only rows they finished themselves (``Follower._save``).
+        return
+
     def _embed(self, cmd: Embed) -> None:
         from .._mlx.embeddings import embed
 

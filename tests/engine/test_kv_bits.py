@@ -179,13 +179,13 @@ def test_config_refuses_what_does_not_work() -> None:
 async def test_a_model_whose_heads_the_group_size_does_not_divide(random_model_dir: Path) -> None:
     from afm_core._mlx import attention
 
-    users = dict(attention._users)
+    users = dict(attention._REBINDING.users)
     with pytest.raises(BaseExceptionGroup) as info:
         async with open_engine(random_model_dir, kv_bits=8):
             pass
     # the start failed after the CPU rewrite: it was undone (the decode
     # attention's module-wide name is no longer counted for this model)
-    assert attention._users == users
+    assert attention._REBINDING.users == users
     err = info.value
     while isinstance(err, BaseExceptionGroup):
         err = err.exceptions[0]
