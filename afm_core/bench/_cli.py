@@ -26,16 +26,7 @@ import time
 from pathlib import Path
 
 from ._apis import APIS
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError("values must be >= 1")
-    return values
+from ._real_cli import _ints
 
 
 def _levels(text: str) -> tuple[int, ...]:
