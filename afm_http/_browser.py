@@ -17,13 +17,13 @@ Without ``--api-key`` therefore (:func:`refusal`):
   server's own origin or one of ``--cors-origin``; else 403
   ``origin_not_allowed``; without one, a ``Sec-Fetch-Site: cross-site``
   header refuses it too;
-* a request from a browser (one sending ``Origin`` or ``Sec-Fetch-*``
-  headers, or a ``Mozilla/`` user agent) must have a JSON body
-  (``Content-Type: application/json`` or ``*/*+json``): the types a page may
-  send without a CORS preflight (``text/plain``, forms) and no type at all (a
-  ``Blob`` body) get 415 ``unsupported_media_type``.  Command-line clients
-  keep what llama.cpp's and Ollama's servers accept (``curl -d '{...}'``
-  sends a form type).
+* a request with a body must say it is JSON (``Content-Type:
+  application/json`` or ``*/*+json``): the types a page may send without a
+  CORS preflight (``text/plain``, forms) and no type at all (a ``Blob``
+  body) get 415 ``unsupported_media_type``, from a browser or not (nothing a
+  page cannot forge tells them apart).  ``curl -d`` sends a form type, so a
+  command line adds ``-H 'Content-Type: application/json'`` (the error says
+  so); the SDKs (OpenAI's, Anthropic's, ``ollama``'s) send it already.
 
 ``GET /health`` is exempt (it holds no data, and load balancers' checks send
 HTTP/1.0 without a ``Host``).  With a key, a page cannot send it (a browser never adds an
@@ -107,20 +107,14 @@ def refusal(policy: BrowserPolicy, *, method: str, path: str, headers: Headers,
     elif site == "cross-site":
         return Refusal(403, "cross-site requests are refused without --api-key",
                        "origin_not_allowed")
-    if has_body and method.upper() not in ("GET", "HEAD", "OPTIONS") and _from_browser(headers) \
+    if has_body and method.upper() not in ("GET", "HEAD", "OPTIONS") \
             and not is_json_media_type(headers.get("Content-Type")):
-        return Refusal(415, "the request body must be JSON: send it with 'Content-Type: "
-                            "application/json'", "unsupported_media_type",
-                       type="invalid_request_error")
+        sent = (headers.get("Content-Type") or "none").split(";", 1)[0].strip()[:60]
+        return Refusal(415, f"the request body must be JSON, sent as 'Content-Type: "
+                            f"application/json' (this one's type: {sent!r}; curl -d sends a form "
+                            "type: add -H 'Content-Type: application/json'), or set --api-key",
+                       "unsupported_media_type", type="invalid_request_error")
     return None
-
-
-def _from_browser(headers: Headers) -> bool:
-    """The request carries what browsers send (and command-line clients do not)."""
-    if headers.get("Origin") is not None or headers.get("Sec-Fetch-Mode") is not None \
-            or headers.get("Sec-Fetch-Site") is not None:
-        return True
-    return (headers.get("User-Agent") or "").startswith("Mozilla/")
 
 
 def host_name(host: str) -> str:

@@ -340,7 +340,8 @@ def test_other_paths_and_methods(client: httpx.Client, tail: str, method: str) -
     path = MESSAGES + ("/" + tail if tail else "")
     r = client.request(method, path, content=json.dumps(body("x")),
                        headers={"Content-Type": "application/json"})
-    if method == "POST" and path in (MESSAGES, MESSAGES + "/count_tokens"):
+    sent = r.request.url.path.rstrip("/")  # the client resolves dot segments ("/v1/messages/." is the route)
+    if method == "POST" and sent in (MESSAGES, MESSAGES + "/count_tokens"):
         assert r.status_code == 200
     else:
         assert_envelope(r, (404, 405))

@@ -38,7 +38,7 @@ async def test_bodies_must_be_json_without_a_key(echo_model_dir: Path) -> None:
         for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
                      "application/jsonx", "text/json"):
             for marks in ({"User-Agent": BROWSER_UA}, {"Sec-Fetch-Mode": "no-cors"},
-                          {"Origin": url}):
+                          {"Origin": url}, {"User-Agent": "curl/8.5.0"}, {}):
                 r = await c.post(CHAT, content=BODY, headers={"Content-Type": kind, **marks})
                 assert r.status_code == 415 and code_of(r) == "unsupported_media_type", (kind, marks)
         r = await c.post(CHAT, content=BODY, headers={"User-Agent": BROWSER_UA})  # no type (a Blob body)
@@ -47,10 +47,13 @@ async def test_bodies_must_be_json_without_a_key(echo_model_dir: Path) -> None:
                          headers={"Content-Type": "text/plain", "User-Agent": BROWSER_UA})
         assert r.status_code == 415 and r.json()["type"] == "error"  # Anthropic's envelope there
         assert engine.statistics().requests_total == 0  # nothing generated
-        # a command line's form-typed JSON (curl -d) is served, as llama.cpp and Ollama serve it
+        # a command line's form-typed JSON (curl -d) too, told how to send it
         r = await c.post(CHAT, content=BODY, headers={
             "Content-Type": "application/x-www-form-urlencoded", "User-Agent": "curl/8.5.0"})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine"
+        assert r.status_code == 415 and "-H 'Content-Type: application/json'" in r.json()["error"]["message"]
+        r = await c.post("/api/chat", content=b'{"model": "m", "messages": []}',
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 415  # the Ollama routes too
         for kind in ("application/json", "application/json; charset=utf-8", "Application/JSON",
                      "application/vnd.afm+json"):
             r = await c.post(CHAT, content=BODY, headers={"Content-Type": kind})

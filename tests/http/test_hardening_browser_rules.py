@@ -34,7 +34,9 @@ def test_refusal_rules() -> None:
                                                               "Sec-Fetch-Site": "same-origin"},
                    has_body=True).status == 415  # type: ignore[union-attr]
     assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain"},
-                   has_body=True) is None  # not a browser: curl -d sends a form type
+                   has_body=True).status == 415  # type: ignore[union-attr]  # a command line's too
+    assert refusal(keyed := BrowserPolicy(keyed=True), method="POST", path=CHAT,
+                   headers={**hdr, "Content-Type": "text/plain"}, has_body=True) is None  # with a key, as before
     assert refusal(open_, method="POST", path=CHAT, headers={**hdr, "Content-Type": "text/plain"},
                    has_body=False) is None
     keyed = BrowserPolicy(keyed=True)

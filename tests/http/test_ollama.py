@@ -214,8 +214,10 @@ async def test_bad_input_gets_ollamas_error_shape(echo_model_dir: Path) -> None:
             r = await h.post("/api/chat", json=body)
             assert r.status_code == 400, body
             assert set(r.json()) == {"error"} and text in r.json()["error"], r.json()
-        r = await h.post("/api/generate", content=b"{not json")
+        r = await h.post("/api/generate", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and set(r.json()) == {"error"}
+        r = await h.post("/api/generate", content=b'{"model": "m", "prompt": "x"}')  # curl -d's form type
+        assert r.status_code == 415 and set(r.json()) == {"error"} and "Content-Type" in r.json()["error"]
         r = await h.post("/api/generate", json={"model": "m", "prompt": "x", "raw": True, "system": "s"})
         assert r.json() == {"error": "raw mode does not support template, system, or context"}
         assert (await h.get("/api/nothing-here")).json() == {"error": "no such route"}
