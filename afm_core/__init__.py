@@ -41,6 +41,7 @@ from ._models import architectures as _architectures
 from ._models.gguf.convert import convert_gguf as convert_gguf
 from ._models.resolve import resolve_model as resolve_model
 from ._models.stores import LocalModel as LocalModel
+from ._models.stores import find_local_model as find_local_model
 from ._models.stores import local_models as local_models
 from ._stream.accumulate import ChunkAccumulator as ChunkAccumulator
 from ._stream.accumulate import accumulate as accumulate
@@ -126,6 +127,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "convert_gguf",
+    "find_local_model",
     "guess_tool_format",
     "init_distributed",
     "local_models",

@@ -46,9 +46,11 @@ from afm_core import (
     EngineConfig,
     ModelLoadError,
     RequestError,
+    find_local_model,
     local_models,
     open_engine,
 )
+from afm_core.api.defaults import model_defaults
 
 from ._residency import FOREVER, ModelTable, Residency
 
@@ -84,6 +86,10 @@ class ModelSpec:
     adapters: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served on it, ``(name, directory)`` (``afm serve --adapter``): a
     request names one as ``model: "id:name"`` (or ``adapters``), ``/v1/models`` lists them so."""
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """Its own sampling defaults (an Ollama model's ``params`` layer, as
+    :func:`afm_core.api.defaults.model_defaults` keeps them), filled into its
+    requests' absent fields."""
 
 
 def weights_bytes(path: str | Path) -> int:
@@ -101,17 +107,39 @@ def weights_bytes(path: str | Path) -> int:
     return 0
 
 
-def model_spec(source: str | Path) -> ModelSpec:
+def model_spec(source: str | Path, *, named: str | None = None) -> ModelSpec:
     """The spec of a ``--model`` value: a directory's id is its name (what
-    ``Engine.model_id`` says), a ``.gguf`` file's its stem, a hub id itself."""
+    ``Engine.model_id`` says), a ``.gguf`` file's its stem, a hub id or a store
+    name itself.  ``named``: the ``--model`` value ``source`` was resolved from
+    (a store name), whose model's sampling defaults the spec keeps."""
     text = str(source)
     path = Path(text).expanduser()
+    defaults = store_defaults(named if named is not None else text)
     if path.is_dir():
-        return ModelSpec(path.name, str(path), weights_bytes(path))
+        return ModelSpec(path.name, str(path), weights_bytes(path), defaults=defaults)
     if path.is_file():
         name = path.stem if path.suffix.lower() == ".gguf" else path.name
-        return ModelSpec(name, str(path), weights_bytes(path))
-    return ModelSpec(text, text, 0)
+        return ModelSpec(name, str(path), weights_bytes(path), defaults=defaults)
+    return ModelSpec(text, text, 0, defaults=defaults)
+
+
+def store_defaults(spec: str) -> tuple[tuple[str, Any], ...]:
+    """The sampling defaults of the store model ``spec`` names (an Ollama model's
+    ``params`` layer), as :attr:`ModelSpec.defaults`; none for anything else."""
+    path = Path(spec).expanduser()
+    if not spec or path.is_dir() or path.is_file():
+        return ()
+    try:
+        found = find_local_model(spec)
+    except ModelLoadError:
+        return ()  # (loading it says why)
+    return _defaults_of(found.details.get("params")) if found is not None else ()
+
+
+def _defaults_of(params: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(params, dict):
+        return ()
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in model_defaults(params).items())
 
 
 def models_in_dir(directory: str | Path) -> list[ModelSpec]:
@@ -123,7 +151,8 @@ def models_in_dir(directory: str | Path) -> list[ModelSpec]:
     root = Path(directory).expanduser()
     if not root.is_dir():
         raise ModelLoadError(f"--models-dir {root} is not a directory")
-    found = [ModelSpec(m.name.partition(":")[2], str(m.path), m.size) for m in local_models(root)]
+    found = [ModelSpec(m.name.partition(":")[2], str(m.path), m.size,
+                       defaults=_defaults_of(m.details.get("params"))) for m in local_models(root)]
     for child in sorted(root.iterdir(), key=lambda p: p.name):
         if child.name.startswith("."):
             continue
@@ -255,6 +284,15 @@ class ModelRegistry:
     def specs(self) -> list[ModelSpec]:
         """Every served model's spec, in the order the models were given."""
         return [s.spec for s in self._slots.values()]
+
+    def defaults_for(self, model: Any) -> dict[str, Any]:
+        """The sampling defaults of the model a request's ``model`` names (none when it
+        names no served model: the route's own lookup says so)."""
+        try:
+            model_id = self.resolve(model if isinstance(model, str) else None)
+        except AFMError:
+            return {}
+        return dict(self._slots[model_id].spec.defaults)
 
     def rows(self) -> Iterator[tuple[Residency, Engine | None]]:
         """Every model's table row and its engine when loaded."""

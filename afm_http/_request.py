@@ -12,6 +12,7 @@ from typing import Any
 from quart import g, request
 
 from afm_core import ChatRequest, RequestError
+from afm_core.api.defaults import Kind, with_model_defaults
 
 from ._body import parse_json
 from ._registry import ModelChoice
@@ -56,15 +57,28 @@ def request_id_or_none() -> str | None:
     return rid
 
 
+_DEFAULTED: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                               "/v1/responses": "responses", "/v1/messages": "anthropic",
+                               "/api/chat": "ollama", "/api/generate": "ollama"}
+"""The generation routes, and whose fields a model's sampling defaults fill there."""
+
+
 async def read_json() -> Any:
-    """The request body as JSON (413 past ``max_body_bytes``, 400 unless valid JSON)."""
+    """The request body as JSON (413 past ``max_body_bytes``, 400 unless valid JSON);
+    on a generation route, with the named model's sampling defaults (an Ollama
+    model's ``params``) in the fields the client left out
+    (:mod:`afm_core.api.defaults`)."""
     cfg = current_state().config
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
         raise RequestError(f"the request body exceeds {cfg.max_body_bytes} bytes", status=413,
                            code="request_too_large")
     raw = await request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
     g.afm_body_read = True
-    return parse_json(raw, max_depth=cfg.max_json_depth)
+    body = parse_json(raw, max_depth=cfg.max_json_depth)
+    kind = _DEFAULTED.get(request.path.rstrip("/"))
+    if kind is None or not isinstance(body, dict):
+        return body
+    return with_model_defaults(kind, body, current_state().models.defaults_for(body.get("model")))
 
 
 def model_choice(body: Any) -> ModelChoice:

@@ -282,10 +282,11 @@ async def _model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     values = args.model or ([] if args.models_dir else [None])
     specs = []
     for value in values:
+        named = value
         if value is None or value.strip() in ("", "default") or not _several(args):
             # one model is resolved (fetched, converted) before serving, as it always was
             value = await trio.to_thread.run_sync(resolve_model, value)
-        specs.append(model_spec(value))
+        specs.append(model_spec(value, named=named))
     if args.models_dir is not None:
         found = models_in_dir(args.models_dir)
         if not found:

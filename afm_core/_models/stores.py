@@ -39,6 +39,7 @@ from .._errors import ModelLoadError
 __all__ = [
     "LocalModel",
     "find_in_stores",
+    "find_local_model",
     "gguf_summary",
     "hf_cache_root",
     "lmstudio_roots",
@@ -349,8 +350,9 @@ def local_models(root: str | os.PathLike[str] | None = None) -> list[LocalModel]
     return found
 
 
-def find_in_stores(spec: str) -> Path | None:
-    """The file or directory a store name stands for, else None.
+def find_local_model(spec: str) -> LocalModel | None:
+    """The store model a name stands for (its file or directory, and for an
+    Ollama model its ``params`` / ``template`` layers in ``details``), else None.
 
     ``ollama:NAME`` / ``lmstudio:PUB/REPO[/FILE]`` / ``hf:ORG/NAME`` name a
     store (errors are :class:`ModelLoadError`); a bare ``org/name`` is looked
@@ -359,12 +361,12 @@ def find_in_stores(spec: str) -> Path | None:
     """
     kind, colon, rest = spec.partition(":")
     if colon and kind == "ollama":
-        return ollama_model(rest).path
+        return ollama_model(rest)
     if colon and kind == "lmstudio":
         for root in lmstudio_roots():
             entry = _lmstudio_entry(root, rest)
             if entry is not None:
-                return entry.path
+                return entry
         raise ModelLoadError(f"LM Studio model {rest!r} not found under "
                              f"{' or '.join(map(str, lmstudio_roots())) or '~/.lmstudio/models'}")
     if colon and kind == "hf":
@@ -372,17 +374,23 @@ def find_in_stores(spec: str) -> Path | None:
         if entry is None:
             raise ModelLoadError(f"{rest!r} is not in the Hugging Face cache {hf_cache_root()} "
                                  "(an MLX model directory or a single-GGUF repository)")
-        return entry.path
+        return entry
     if ":" not in spec and (spec.count("/") == 1 or (spec.count("/") == 2 and spec.endswith(".gguf"))):
         entry = _hf_entry(hf_cache_root(), spec) if spec.count("/") == 1 else None
         for root in lmstudio_roots():
             entry = entry or _lmstudio_entry(root, spec)
-        return entry.path if entry else None
+        return entry
     if spec.startswith((".", "/", "~")) or "/" in spec.rpartition(":")[2]:
         return None
     if ":" in spec:
-        return ollama_model(spec).path  # a name:tag is Ollama's: its error is the clear one
+        return ollama_model(spec)  # a name:tag is Ollama's: its error is the clear one
     try:
-        return ollama_model(spec).path
+        return ollama_model(spec)
     except ModelLoadError:
         return None
+
+
+def find_in_stores(spec: str) -> Path | None:
+    """The file or directory a store name stands for, else None (see :func:`find_local_model`)."""
+    found = find_local_model(spec)
+    return found.path if found is not None else None

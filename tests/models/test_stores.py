@@ -201,7 +201,7 @@ async def test_store_models_served_by_their_names(stores: Path, tiny_gguf: Path,
     picks the store model, which answers through the openai SDK."""
     import openai
 
-    from afm_http._registry import models_in_dir
+    from afm_http._registry import model_spec, models_in_dir
     from afm_http.testing import running_models
 
     monkeypatch.setenv("AFM_HOME", str(stores / "afm"))
@@ -210,6 +210,12 @@ async def test_store_models_served_by_their_names(stores: Path, tiny_gguf: Path,
     specs = models_in_dir(stores / "ollama")
     size = len(tiny_gguf.read_bytes())  # noqa: ASYNC240 - a test's setup
     assert [(s.id, s.size) for s in specs] == [("other:1b", size), ("tiny:0.5b", size)]
+    # the params layer becomes the model's sampling defaults (filled into requests' gaps)
+    kept = (("temperature", 0.7), ("stop", ("<|im_start|>", "<|im_end|>")))
+    assert [s.defaults for s in specs] == [kept, kept]
+    assert model_spec("ollama:tiny:0.5b").defaults == kept == model_spec("tiny:0.5b").defaults
+    assert model_spec(stores, named="tiny:0.5b").defaults == kept  # resolved, as one --model is
+    assert model_spec(tiny_gguf).defaults == () == model_spec("nothing:here").defaults
     async with running_models(["ollama:tiny:0.5b", "other:1b"], warmup=False) as (url, _):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         listed = [m.id async for m in client.models.list()]
