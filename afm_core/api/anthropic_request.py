@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .._errors import RequestError, UnsupportedError
-from ._hosted import anthropic_server_tool
+from ._hosted import ANTHROPIC_CLIENT_TOOLS, anthropic_client_tool, anthropic_server_tool
 from ._validate import as_float, json_object
 from .chat_request import CacheBreakpoint, ChatRequest
 
@@ -269,8 +269,19 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, tuple[str, ...]]:
         if anthropic_server_tool(kind):  # Anthropic runs it: not offered to the model here
             skipped.append(kind)
             continue
+        if isinstance(kind, str) and kind in ANTHROPIC_CLIENT_TOOLS:
+            try:
+                typed = anthropic_client_tool(kind, tool.get("name"), tool)
+            except ValueError as exc:
+                raise _fail(f"{p}.name", str(exc)) from None
+            if typed["name"] in names:
+                raise _fail("tools", f"Tool names must be unique ('{typed['name']}' is repeated)")
+            names.add(str(typed["name"]))
+            out.append({"type": "function", "function": typed})
+            continue
         if kind not in (None, "custom"):
-            raise UnsupportedError(f"{p}.type: tool type '{kind}' is not supported by this server; "
+            raise UnsupportedError(f"{p}.type: tool type '{kind}' is not supported by this server "
+                                   f"(typed client tools served: {', '.join(ANTHROPIC_CLIENT_TOOLS)}); "
                                    "define client tools with 'name' and 'input_schema'", param=p)
         name = _str(_required_in(tool, "name", p), f"{p}.name")
         if not TOOL_NAME.fullmatch(name):

@@ -288,8 +288,8 @@ def test_bad_requests_say_what_is_wrong(body: Any, message: str) -> None:
      "messages.0.content.0.content.0: content block type 'image' is not supported"),
     (base(messages=[{"role": "user", "content": [{"type": "document"}]}]), "messages.0.content.0: content block"),
     (base(system=[{"type": "image"}]), "system.0: content block type 'image' is not supported"),
-    (base(tools=[{"type": "bash_20250124", "name": "bash"}]),
-     "tools.0.type: tool type 'bash_20250124' is not supported"),
+    (base(tools=[{"type": "computer_20250124", "name": "computer"}]),
+     "tools.0.type: tool type 'computer_20250124' is not supported"),
     (base(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is ("}]),
      "messages: the final message must be a user message"),
 ])
@@ -580,3 +580,16 @@ def test_the_sdk_raises_on_an_error_event() -> None:
         await client.close()
 
     trio.run(main)
+
+
+def test_typed_client_tools_are_function_tools() -> None:
+    req = parse_request(base(tools=[{"type": "bash_20250124", "name": "bash"},
+                                    {"type": "text_editor_20250124", "name": "str_replace_editor"}]))
+    tools = [t["function"] for t in req.chat.tools or ()]
+    assert [t["name"] for t in tools] == ["bash", "str_replace_editor"]
+    assert tools[0]["parameters"]["properties"]["command"]["type"] == "string"
+    assert "undo_edit" in tools[1]["parameters"]["properties"]["command"]["enum"]
+    with pytest.raises(RequestError) as info:
+        parse_request(base(tools=[{"type": "bash_20250124", "name": "bash"},
+                                  {"name": "bash", "input_schema": {"type": "object"}}]))
+    assert "'bash' is repeated" in info.value.message

@@ -144,9 +144,25 @@ async def test_anthropic_server_tools_are_skipped(echo_model_dir: Path) -> None:
         assert message.stop_reason == "tool_use"
         use = [b for b in message.content if b.type == "tool_use"]
         assert [(b.name, b.input) for b in use] == [("get_weather", {"city": "Paris"})]
-        # a typed client tool afm does not know is still a 400
+        # Anthropic's typed client tools are offered under their fixed names and inputs
+        call = '<tool_call>\n{"name": "str_replace_based_edit_tool", "arguments": {"command": "view", "path": "/a"}}\n</tool_call>'
+        typed: list[Any] = [{"type": "bash_20250124", "name": "bash"},
+                            {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool",
+                             "max_characters": 1000}]
+        message = await client.messages.create(model="m", max_tokens=200, tools=typed,
+                                               messages=[{"role": "user", "content": call}])
+        use = [b for b in message.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in use] == [("str_replace_based_edit_tool", {"command": "view", "path": "/a"})]
+        count = await client.messages.count_tokens(model="m", tools=typed, messages=[{"role": "user", "content": "x"}])
+        bare = await client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}])
+        assert count.input_tokens > bare.input_tokens + 50  # their schemas are in the prompt
+        # a wrong name for a typed tool, and a beta type afm does not serve, are 400s
         with pytest.raises(anthropic.BadRequestError) as e:
             await client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "x"}],
-                                         tools=[{"type": "bash_20250124", "name": "bash"}])
-        assert "bash_20250124" in str(e.value)
+                                         tools=[{"type": "bash_20250124", "name": "shell"}])  # type: ignore[typeddict-item]
+        assert "tools.0.name" in str(e.value) and "'bash'" in str(e.value)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "x"}],
+                                         tools=[{"type": "computer_20250124", "name": "computer"}])  # type: ignore[list-item]
+        assert "computer_20250124" in str(e.value)
         await client.close()
