@@ -45,29 +45,11 @@ from typing import Any
 import trio
 
 import afm_core
+from afm_core.bench._spec_prompts import CHAT, CODE_EDIT, code_edit_prompt
 
-CODE = '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        price = item["price"] * item["quantity"]
-        if item.get("discount"):
-            price = price - price * item["discount"]
-        subtotal = subtotal + price
-    tax = subtotal * tax_rate
-    return round(subtotal + tax, 2)
-
-
-def cheapest(items):
-    best = None
-    for item in items:
-        if best is None or item["price"] < best["price"]:
-            best = item
-    return best
-'''
-WORKLOADS = {
-    "rewrite": "Rewrite this Python code, renaming the variable `subtotal` to `net`. "
-               "Output only the complete code.\n\n" + CODE,
-    "chat": "Write a short essay about why lighthouses were important for sailors.",
+WORKLOADS = {  # the texts of `afm bench --speculation` (one of each)
+    "rewrite": code_edit_prompt(*CODE_EDIT[0]),
+    "chat": CHAT[0],
 }
 
 
