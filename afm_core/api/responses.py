@@ -27,7 +27,10 @@ content or ``input_text`` / ``output_text`` / ``refusal`` parts),
 ``function_call``, ``function_call_output`` (string output or text parts;
 its ``call_id`` must name a function call earlier in the conversation) and
 ``reasoning`` (its text goes back to the template as the assistant turn's
-``reasoning_content``; ``encrypted_content`` is ignored).  Consecutive
+``reasoning_content``; ``encrypted_content`` is ignored) and ``compaction``
+(one this server's ``/v1/responses/compact`` made,
+:mod:`afm_core.api.responses_compact`: its summary is a user turn; another
+server's is a 400).  Consecutive
 assistant-side items (reasoning, assistant messages, function calls) form one
 assistant turn; a reasoning item that no assistant content or call follows is
 dropped.  ``instructions`` is a first system message (not carried over by

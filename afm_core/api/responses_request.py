@@ -9,6 +9,8 @@ library.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -20,7 +22,7 @@ from ._validate import count, err, flag, json_object, optional_str, valid_text
 from .chat_request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
 from .responses_store import StoredResponse
 
-__all__ = ["ResponsesCall", "new_id", "parse", "to_messages"]
+__all__ = ["ResponsesCall", "decode_summary", "encode_summary", "new_id", "parse", "to_messages"]
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -35,9 +37,14 @@ UNSUPPORTED_ITEMS = frozenset({
     "image_generation_call", "code_interpreter_call", "local_shell_call", "local_shell_call_output",
     "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_call",
     "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "custom_tool_call",
-    "custom_tool_call_output", "tool_search_call", "tool_search_output", "compaction", "program",
+    "custom_tool_call_output", "tool_search_call", "tool_search_output", "program",
     "program_output", "additional_tools",
 })
+COMPACTION_TAG = "afm-compaction-v1:"
+"""How the ``encrypted_content`` of afm's compaction items begins (the summary follows, base64)."""
+COMPACTED_HEADER = ("[The earlier part of this conversation was compacted. A summary of it "
+                    "follows; continue the work from there.]\n\n")
+"""What precedes a compaction item's summary in the prompt (a user turn)."""
 # chat-body parameter names as the Responses body spells them
 _RENAMED = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
             ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"),
@@ -159,6 +166,23 @@ def _parts_text(content: Any, param: str, *, role: str) -> str:
     return valid_text("".join(out), param)
 
 
+def encode_summary(summary: str) -> str:
+    """A compaction summary as a compaction item's ``encrypted_content``."""
+    return COMPACTION_TAG + base64.b64encode(summary.encode()).decode("ascii")
+
+
+def decode_summary(content: str, param: str = "encrypted_content") -> str:
+    """The summary in a compaction item's ``encrypted_content`` (a 400 unless afm wrote it)."""
+    if not content.startswith(COMPACTION_TAG):
+        raise err("this compaction item was not made by this server (its encrypted_content "
+                  "is not afm's): compact the conversation with this server's "
+                  "/v1/responses/compact, or send the items themselves", param)
+    try:
+        return base64.b64decode(content[len(COMPACTION_TAG):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise err("a compaction item's encrypted_content is damaged", param) from None
+
+
 def _item_id(item: dict[str, Any], prefix: str) -> str:
     given = item.get("id")
     return given if isinstance(given, str) and given else new_id(prefix)
@@ -242,6 +266,10 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
                 "output": _output_text(item["output"], f"{p}.output"), "status": "completed"}
     if kind == "reasoning":
         return _reasoning_item(item, p)
+    if kind == "compaction":
+        content = _required_str(item, "encrypted_content", p)
+        valid_text(decode_summary(content, f"{p}.encrypted_content"), f"{p}.encrypted_content")
+        return {"id": _item_id(item, "cmp"), "type": "compaction", "encrypted_content": content}
     if isinstance(kind, str) and kind in UNSUPPORTED_ITEMS:
         raise UnsupportedError(f"input items of type '{kind}' are not supported: afm runs "
                                "function tools only (send items themselves, not references)",
@@ -307,6 +335,10 @@ def to_messages(items: Iterable[dict[str, Any]], *, instructions: str | None = N
             name = item["name"] if not item.get("namespace") else joined(item["namespace"], item["name"])
             calls.append({"id": item["call_id"], "type": "function",
                           "function": {"name": name, "arguments": item["arguments"]}})
+        elif kind == "compaction":
+            flush()
+            out.append({"role": "user",
+                        "content": COMPACTED_HEADER + decode_summary(item["encrypted_content"])})
         elif kind == "function_call_output":
             flush()
             if item["call_id"] not in call_ids:
