@@ -50,23 +50,12 @@ from .._errors import UnsupportedError
 from .._stream.events import Event
 from ._validate import err, json_object
 from .responses import Writer
-from .responses_request import ResponsesCall, decode_summary, encode_summary, new_id
+from .responses_request import SUMMARY_PROMPT, ResponsesCall, decode_summary, encode_summary, new_id
 from .responses_request import parse as parse_responses
 from .responses_store import StoredResponse
 
 __all__ = ["SUMMARY_PROMPT", "CompactCall", "CompactWriter", "decode_summary", "encode_summary",
            "parse"]
-
-SUMMARY_PROMPT = (
-    "Pause the task here: your context is about to be cleared, and another assistant "
-    "will continue from a summary you write now. Write that summary. Include the user's "
-    "goal and every requirement or preference they stated; what has been done so far "
-    "(commands run, files read or changed, decisions made and why); what was found; what "
-    "remains to be done, in order; and any exact names, paths, values or errors the next "
-    "assistant will need. Be concise and factual, and do not call any tools."
-)
-"""The user message appended to the conversation to ask the served model for the summary."""
-
 
 @dataclass(frozen=True, slots=True)
 class CompactCall:

@@ -42,6 +42,16 @@ UNSUPPORTED_ITEMS = frozenset({
 })
 COMPACTION_TAG = "afm-compaction-v1:"
 """How the ``encrypted_content`` of afm's compaction items begins (the summary follows, base64)."""
+SUMMARY_PROMPT = (
+    "Pause the task here: your context is about to be cleared, and another assistant "
+    "will continue from a summary you write now. Write that summary. Include the user's "
+    "goal and every requirement or preference they stated; what has been done so far "
+    "(commands run, files read or changed, decisions made and why); what was found; what "
+    "remains to be done, in order; and any exact names, paths, values or errors the next "
+    "assistant will need. Be concise and factual, and do not call any tools."
+)
+"""The user message appended to a conversation to ask the served model for its summary
+(``/v1/responses/compact``, a ``compaction_trigger`` input item)."""
 COMPACTED_HEADER = ("[The earlier part of this conversation was compacted. A summary of it "
                     "follows; continue the work from there.]\n\n")
 """What precedes a compaction item's summary in the prompt (a user turn)."""
@@ -74,6 +84,9 @@ class ResponsesCall:
     stream: bool = False
     store: bool = True
     logprobs: bool = False
+    compaction: bool = False
+    """The input ended with a ``compaction_trigger``: the model writes a summary, which
+    the response's one output item (``compaction``) carries."""
     namespaced: tuple[tuple[str, str, str], ...] = ()
     """Each function of a ``namespace`` tool: (the name offered to the model, its
     namespace, its own name); a call to it goes out with ``name`` and ``namespace``."""
@@ -266,6 +279,8 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
                 "output": _output_text(item["output"], f"{p}.output"), "status": "completed"}
     if kind == "reasoning":
         return _reasoning_item(item, p)
+    if kind == "compaction_trigger":
+        return {"id": _item_id(item, "ctr"), "type": "compaction_trigger"}
     if kind == "compaction":
         content = _required_str(item, "encrypted_content", p)
         valid_text(decode_summary(content, f"{p}.encrypted_content"), f"{p}.encrypted_content")
@@ -286,7 +301,11 @@ def _input_items(raw: Any) -> tuple[dict[str, Any], ...]:
                  "content": [{"type": "input_text", "text": text}], "status": "completed"},)
     if not isinstance(raw, list) or not raw:
         raise err("'input' must be a string or a non-empty array of input items", "input")
-    return tuple(_input_item(item, f"input[{i}]") for i, item in enumerate(raw))
+    items = tuple(_input_item(item, f"input[{i}]") for i, item in enumerate(raw))
+    for i, item in enumerate(items[:-1]):
+        if item["type"] == "compaction_trigger":
+            raise err("a compaction_trigger must be the final input item", f"input[{i}].type")
+    return items
 
 
 def _item_text(item: dict[str, Any], key: str = "content") -> str:
@@ -614,6 +633,11 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
                                param="previous_response_id", code="previous_response_has_choices")
         history = found.conversation
     items = _input_items(body.get("input"))
+    compaction = items[-1]["type"] == "compaction_trigger"
+    if compaction:
+        items = items[:-1]
+        if not history + items:
+            raise err("nothing to compact: the input has only a compaction_trigger", "input")
     tools_echo, chat_tools, skipped, spaced = _tools(body.get("tools"))
     choice_echo, chat_choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
     parallel = flag(body, "parallel_tool_calls", True)
@@ -629,6 +653,9 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     strings = {k: optional_str(body, k) for k in ("user", "safety_identifier", "prompt_cache_key",
                                               "service_tier")}
     messages = to_messages(history + items, instructions=instructions, first_new=len(history))
+    if compaction:  # the summarising turn: no tools, no output format
+        messages.append({"role": "user", "content": SUMMARY_PROMPT})
+        chat_tools, chat_choice, response_format = [], None, None
     chat_body: dict[str, Any] = {"messages": messages, "model": model, "stream": stream,
                                  "n": body.get("n"),
                                  "parallel_tool_calls": parallel,
@@ -661,4 +688,5 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     if skipped:
         chat = replace(chat, skipped_tools=skipped)
     return ResponsesCall(chat=chat, input_items=items, history=history, settings=settings,
-                         stream=stream, store=store, logprobs=logprobs, namespaced=spaced)
+                         stream=stream, store=store, logprobs=logprobs, namespaced=spaced,
+                         compaction=compaction)

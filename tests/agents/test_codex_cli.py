@@ -21,6 +21,7 @@ import httpx
 import pytest
 import trio
 
+from afm_core.api.responses_request import COMPACTED_HEADER, SUMMARY_PROMPT
 from afm_core.testing import make_echo_model
 from afm_http import ServerConfig
 from afm_http.testing import running_server
@@ -44,7 +45,7 @@ def tool_call(command: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-async def run_codex(tmp: Path, url: str, prompt: str, *, provider: str = "",
+async def run_codex(tmp: Path, url: str, prompt: str, *, provider: str = "", name: str = "afm",
                     config: str = "") -> tuple[subprocess.CompletedProcess[bytes], str]:
     """``codex exec`` in ``tmp/work`` with a fresh ``CODEX_HOME``: (the process, its last message)."""
     assert CODEX is not None
@@ -61,7 +62,7 @@ check_for_update_on_startup = false
 enabled = false
 
 [model_providers.afm]
-name = "afm"
+name = "{name}"
 base_url = "{url}/v1"
 wire_api = "responses"
 env_key = "AFM_CODEX_TEST_KEY"
@@ -152,3 +153,25 @@ async def test_a_long_wait_is_kept_alive_past_codex_stream_idle_timeout(
     else:
         assert proc.returncode != 0 and last == "", explain(proc)
         assert "idle" in (proc.stdout + proc.stderr).decode().lower(), explain(proc)
+
+
+@pytest.mark.parametrize("name", ["afm", "OpenAI"], ids=["local-compaction", "remote-compaction"])
+async def test_codex_auto_compaction_mid_turn(codex_echo: Path, tmp_path: Path, name: str) -> None:
+    """With a small auto-compact limit Codex compacts between the tool call and the
+    answer.  Codex compacts remotely only for a provider it takes for OpenAI's
+    (``name = "OpenAI"``): 0.171 sends ``/v1/responses`` with a final
+    ``compaction_trigger`` item and puts the ``compaction`` item afm answers
+    with in its history, so the next turn's last user turn is afm's summary
+    (echoed).  Any other name compacts locally: an ordinary turn with Codex's
+    own summarising prompt, whose answer Codex keeps as a user message."""
+    async with running_server(codex_echo, server=ServerConfig(api_key=KEY)) as (url, _):
+        proc, last = await run_codex(
+            tmp_path, url, tool_call("echo compact-me > marker.txt"), name=name,
+            config="model_auto_compact_token_limit = 8000\nmodel_context_window = 100000")
+    assert proc.returncode == 0, explain(proc)
+    assert (tmp_path / "work" / "marker.txt").read_text() == "compact-me\n"
+    assert "context compacted" in (proc.stdout + proc.stderr).decode(), explain(proc)
+    if name == "OpenAI":
+        assert last.strip() == (COMPACTED_HEADER + SUMMARY_PROMPT).strip(), explain(proc)
+    else:
+        assert COMPACTED_HEADER not in last and "summary" in last.lower(), explain(proc)

@@ -62,3 +62,43 @@ def test_compacted_object_keeps_user_messages_then_one_compaction_item() -> None
     user, item = out["output"]
     assert user["role"] == "user" and user["content"][0]["text"] == "one"
     assert item["type"] == "compaction" and decode_summary(item["encrypted_content"]) == "the summary"
+
+
+def test_a_compaction_trigger_makes_the_turn_a_summary_without_tools() -> None:
+    call = responses.parse({"input": [{"role": "user", "content": "hi"},
+                                      {"type": "compaction_trigger"}],
+                            "tools": [{"type": "function", "name": "shell",
+                                       "parameters": {"type": "object"}}],
+                            "text": {"format": {"type": "json_object"}}})
+    assert call.compaction and not call.chat.tools and call.chat.response_format is None
+    assert [m["content"] for m in call.chat.messages] == ["hi", SUMMARY_PROMPT]
+    assert [item["type"] for item in call.input_items] == ["message"]
+
+
+@pytest.mark.parametrize(("input", "param"), [
+    ([{"type": "compaction_trigger"}], "input"),
+    ([{"type": "compaction_trigger"}, {"role": "user", "content": "x"}], "input[0].type"),
+])
+def test_a_misplaced_or_lonely_compaction_trigger_is_a_400(input: Any, param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        responses.parse({"input": input})
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_the_writer_streams_one_compaction_item_for_a_trigger() -> None:
+    from afm_core import ContentDelta, Finish, ReasoningDelta, Usage
+
+    call = responses.parse({"input": [{"role": "user", "content": "hi"},
+                                      {"type": "compaction_trigger"}], "stream": True})
+    w = responses.ResponseWriter(call, id="resp_1", created_at=1, model="m")
+    events = w.start() + w.feed([ReasoningDelta("thinking"), ContentDelta("the "),
+                                 ContentDelta("summary")])
+    events += w.feed([Finish("stop"), Usage(prompt_tokens=5, completion_tokens=3)])
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.compaction.compacting", "response.compaction.compacting",
+                     "response.output_item.done", "response.completed"]
+    (item,) = w.response["output"]
+    assert item["type"] == "compaction" and item["id"].startswith("cmp_")
+    assert decode_summary(item["encrypted_content"]) == "the summary"
+    assert events[-2]["item"] == item and w.status == "completed"

@@ -116,3 +116,36 @@ async def test_sdk_error_and_a_foreign_compaction_item_in_create(echo_model_dir:
                 {"type": "compaction", "encrypted_content": "opaque"}])
         assert "not made by this server" in str(info.value)
         await client.close()
+
+
+async def test_a_compaction_trigger_streams_one_compaction_item(echo_model_dir: Path) -> None:
+    """Codex's remote compaction v2: ``/v1/responses`` with a final ``compaction_trigger``
+    item answers with one ``compaction`` output item (streamed or not)."""
+    async with running_server(echo_model_dir) as (url, _):
+        client = sdk(url)
+        tools: Any = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
+        stream = await client.responses.create(
+            model="m", input=[*CONVERSATION, {"type": "compaction_trigger"}], tools=tools,
+            stream=True, store=False)
+        events = [e async for e in stream]
+        kinds = [e.type for e in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+        assert set(kinds[3:-2]) == {"response.compaction.compacting"}
+        (item,) = events[-1].response.output
+        assert item.type == "compaction" and events[-2].item == item
+        assert decode_summary(item.encrypted_content) == SUMMARY_PROMPT
+
+        resp = await client.responses.create(model="m", input=[{"role": "user", "content": "hi"},
+                                                               {"type": "compaction_trigger"}])
+        (item,) = resp.output
+        assert item.type == "compaction" and resp.status == "completed"
+        # continuing from the compaction item: its summary is the last user turn
+        resp = await client.responses.create(model="m", input=[
+            {"role": "user", "content": "hi"}, item.model_dump(exclude_none=True)])
+        assert resp.output_text == COMPACTED_HEADER + SUMMARY_PROMPT
+
+        with pytest.raises(openai.BadRequestError):
+            await client.responses.create(model="m", input=[{"type": "compaction_trigger"},
+                                                            {"role": "user", "content": "x"}])
+        await client.close()
