@@ -30,7 +30,13 @@ its ``call_id`` must name a function call earlier in the conversation) and
 ``reasoning_content``; ``encrypted_content`` is ignored) and ``compaction``
 (one this server's ``/v1/responses/compact`` made,
 :mod:`afm_core.api.responses_compact`: its summary is a user turn; another
-server's is a 400).  Consecutive
+server's is a 400).  A ``compaction_trigger`` as the last input item (Codex's
+remote compaction; anywhere else a 400) makes the turn a summary: the
+conversation, then :data:`~afm_core.api.responses_request.SUMMARY_PROMPT` as
+a user message, no tools and no ``text.format``; its one output item is a
+``compaction`` (``response.output_item.added``, a
+``response.compaction.compacting`` event per summary delta,
+``response.output_item.done``), reasoning and calls dropped.  Consecutive
 assistant-side items (reasoning, assistant messages, function calls) form one
 assistant turn; a reasoning item that no assistant content or call follows is
 dropped.  ``instructions`` is a first system message (not carried over by
