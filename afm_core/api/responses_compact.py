@@ -27,7 +27,8 @@ pass's)::
     writer.result()                              # the response.compaction object
 
 A summary the model cut off at its token limit (``max_output_tokens`` when
-given, else the context) is still returned; a failure is the Responses
+given, else the context), or cancelled (the chat cancel route, by the
+request id), is returned as far as it got; a failure is the Responses
 writer's (``GenerationError``, a 500).  A compaction item in the input (a
 second compaction) is rendered as the earlier summary, so the new summary
 covers it (:func:`afm_core.api.responses.to_messages`).  ``stream``,
