@@ -6,6 +6,24 @@
 # kernels' check under emulation (tests/mlx/test_qmm_native.py).  It never fails CI: without them those tests skip,
 # saying what is missing.
 set -u
+
+# --- Codex CLI (tests/agents/test_codex_cli.py): @openai/codex, pinned; installed
+# with npm when `codex` is missing or another version, as root only. ---
+CODEX_VERSION=0.171.0
+if [ "$(codex --version 2>/dev/null)" != "codex-cli $CODEX_VERSION" ]; then
+    if [ "$(id -u)" = 0 ] && command -v npm >/dev/null 2>&1; then
+        if timeout 900 npm install -g --no-fund --no-audit "@openai/codex@$CODEX_VERSION" >/dev/null 2>&1; then
+            echo "deps: installed @openai/codex@$CODEX_VERSION" >&2
+        else
+            echo "deps: npm could not install @openai/codex@$CODEX_VERSION: the Codex CLI test will skip" >&2
+        fi
+    else
+        echo "deps: codex $CODEX_VERSION missing, and no root npm to install it:" \
+             "the Codex CLI test will skip" >&2
+    fi
+fi
+# --- end Codex CLI ---
+
 missing=()
 command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)

@@ -38,7 +38,7 @@ GENERATION_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
     "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
     "/tokenize", "/detokenize", "/v1/chat/completions/count_tokens", "/v1/messages/count_tokens",
-    "/v1/responses/input_tokens",
+    "/v1/responses/input_tokens", "/v1/responses/compact",
 })
 """``POST`` routes that start engine work (generating, embedding, templating or
 tokenizing): refused while draining.  Everything else (cancel routes,

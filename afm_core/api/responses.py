@@ -27,7 +27,16 @@ content or ``input_text`` / ``output_text`` / ``refusal`` parts),
 ``function_call``, ``function_call_output`` (string output or text parts;
 its ``call_id`` must name a function call earlier in the conversation) and
 ``reasoning`` (its text goes back to the template as the assistant turn's
-``reasoning_content``; ``encrypted_content`` is ignored).  Consecutive
+``reasoning_content``; ``encrypted_content`` is ignored) and ``compaction``
+(one this server's ``/v1/responses/compact`` made,
+:mod:`afm_core.api.responses_compact`: its summary is a user turn; another
+server's is a 400).  A ``compaction_trigger`` as the last input item (Codex's
+remote compaction; anywhere else a 400) makes the turn a summary: the
+conversation, then :data:`~afm_core.api.responses_request.SUMMARY_PROMPT` as
+a user message, no tools and no ``text.format``; its one output item is a
+``compaction`` (``response.output_item.added``, a
+``response.compaction.compacting`` event per summary delta,
+``response.output_item.done``), reasoning and calls dropped.  Consecutive
 assistant-side items (reasoning, assistant messages, function calls) form one
 assistant turn; a reasoning item that no assistant content or call follows is
 dropped.  ``instructions`` is a first system message (not carried over by
@@ -154,7 +163,7 @@ from .._stream.events import (
 )
 from .._stream.sse import dumps
 from .responses_items import Choice, Item, logprob_entry
-from .responses_request import ResponsesCall, new_id, parse, to_messages
+from .responses_request import ResponsesCall, encode_summary, new_id, parse, to_messages
 from .responses_store import StoredResponse
 
 __all__ = [
@@ -311,6 +320,10 @@ class ResponseWriter:
                 continue
             if self.done or ch.ended:
                 continue  # nothing else follows a choice's end, or the response's
+            if self.call.compaction and kind in (ContentDelta, ReasoningDelta, ToolCallDelta):
+                if kind is ContentDelta:
+                    self._summary(ch, event.text, out)  # type: ignore[union-attr]
+                continue  # the summary alone is the output (no reasoning, no calls)
             if kind is ContentDelta:
                 last = self._content(ch, event.text, out) or last  # type: ignore[union-attr]
             elif kind is LogprobsDelta:
@@ -423,6 +436,9 @@ class ResponseWriter:
             self._event(out, "response.content_part.done", **ids, content_index=0,
                         part=item.part())
             ch.message = None
+        elif item.kind == "compaction":
+            item.encrypted = encode_summary(item.text.strip())
+            ch.message = None
         else:
             self._event(out, "response.function_call_arguments.done", **ids, arguments=item.text)
         item.status = status
@@ -448,6 +464,16 @@ class ResponseWriter:
         item.logprobs += logprobs
         return self._event(out, "response.output_text.delta", item_id=item.id,
                            output_index=item.index, content_index=0, delta=text, logprobs=logprobs)
+
+    def _summary(self, ch: Choice, text: str, out: list[dict[str, Any]]) -> None:
+        """A compaction's summary text: kept for its item; ``response.compaction.compacting``."""
+        if not text:
+            return
+        item = ch.message
+        if item is None:
+            item = ch.message = self._open(ch, "compaction", "cmp", out)
+        item.parts.append(text)
+        self._event(out, "response.compaction.compacting", item_id=item.id, output_index=item.index)
 
     def _logprobs(self, ch: Choice, event: LogprobsDelta, last: dict[str, Any] | None) -> None:
         if not self.call.logprobs:
@@ -492,7 +518,8 @@ class ResponseWriter:
         ch.ended = True
         if ch.finish in ("stop", "tool_calls"):
             if not ch.items:  # an empty answer is an empty message, as output_text ""
-                self._open(ch, "message", "msg", out)
+                self._open(ch, "compaction" if self.call.compaction else "message",
+                           "cmp" if self.call.compaction else "msg", out)
             self._close_all("completed", out, ch.items)
         else:
             self._close_all("incomplete", out, ch.items)

@@ -28,8 +28,8 @@ def logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
 class Item:
     """One output item while it streams."""
 
-    __slots__ = ("call_id", "choice", "id", "index", "kind", "logprobs", "name", "namespace", "parts",
-                 "status", "tagged")
+    __slots__ = ("call_id", "choice", "encrypted", "id", "index", "kind", "logprobs", "name",
+                 "namespace", "parts", "status", "tagged")
 
     def __init__(self, kind: str, id: str, index: int, choice: int, *, tagged: bool = False,
                  call_id: str = "", name: str = "", namespace: str | None = None) -> None:
@@ -45,6 +45,8 @@ class Item:
         self.parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.status = "in_progress"
+        self.encrypted = ""
+        """A ``compaction`` item's ``encrypted_content`` (set when it closes)."""
 
     @property
     def done(self) -> bool:
@@ -66,6 +68,8 @@ class Item:
             summary = [self.part()] if self.parts or self.done else []
             out: dict[str, Any] = {"id": self.id, "type": "reasoning", "summary": summary,
                                    "status": status}
+        elif self.kind == "compaction":
+            out = {"id": self.id, "type": "compaction", "encrypted_content": self.encrypted}
         elif self.kind == "message":
             content = [self.part()] if self.parts or self.done else []
             out = {"id": self.id, "type": "message", "status": status, "role": "assistant",

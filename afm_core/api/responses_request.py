@@ -9,6 +9,8 @@ library.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -20,7 +22,7 @@ from ._validate import count, err, flag, json_object, optional_str, valid_text
 from .chat_request import MAX_INT, MAX_TOP_LOGPROBS, ChatRequest
 from .responses_store import StoredResponse
 
-__all__ = ["ResponsesCall", "new_id", "parse", "to_messages"]
+__all__ = ["ResponsesCall", "decode_summary", "encode_summary", "new_id", "parse", "to_messages"]
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -35,9 +37,24 @@ UNSUPPORTED_ITEMS = frozenset({
     "image_generation_call", "code_interpreter_call", "local_shell_call", "local_shell_call_output",
     "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_call",
     "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "custom_tool_call",
-    "custom_tool_call_output", "tool_search_call", "tool_search_output", "compaction", "program",
+    "custom_tool_call_output", "tool_search_call", "tool_search_output", "program",
     "program_output", "additional_tools",
 })
+COMPACTION_TAG = "afm-compaction-v1:"
+"""How the ``encrypted_content`` of afm's compaction items begins (the summary follows, base64)."""
+SUMMARY_PROMPT = (
+    "Pause the task here: your context is about to be cleared, and another assistant "
+    "will continue from a summary you write now. Write that summary. Include the user's "
+    "goal and every requirement or preference they stated; what has been done so far "
+    "(commands run, files read or changed, decisions made and why); what was found; what "
+    "remains to be done, in order; and any exact names, paths, values or errors the next "
+    "assistant will need. Be concise and factual, and do not call any tools."
+)
+"""The user message appended to a conversation to ask the served model for its summary
+(``/v1/responses/compact``, a ``compaction_trigger`` input item)."""
+COMPACTED_HEADER = ("[The earlier part of this conversation was compacted. A summary of it "
+                    "follows; continue the work from there.]\n\n")
+"""What precedes a compaction item's summary in the prompt (a user turn)."""
 # chat-body parameter names as the Responses body spells them
 _RENAMED = (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
             ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort"),
@@ -67,6 +84,9 @@ class ResponsesCall:
     stream: bool = False
     store: bool = True
     logprobs: bool = False
+    compaction: bool = False
+    """The input ended with a ``compaction_trigger``: the model writes a summary, which
+    the response's one output item (``compaction``) carries."""
     namespaced: tuple[tuple[str, str, str], ...] = ()
     """Each function of a ``namespace`` tool: (the name offered to the model, its
     namespace, its own name); a call to it goes out with ``name`` and ``namespace``."""
@@ -159,6 +179,23 @@ def _parts_text(content: Any, param: str, *, role: str) -> str:
     return valid_text("".join(out), param)
 
 
+def encode_summary(summary: str) -> str:
+    """A compaction summary as a compaction item's ``encrypted_content``."""
+    return COMPACTION_TAG + base64.b64encode(summary.encode()).decode("ascii")
+
+
+def decode_summary(content: str, param: str = "encrypted_content") -> str:
+    """The summary in a compaction item's ``encrypted_content`` (a 400 unless afm wrote it)."""
+    if not content.startswith(COMPACTION_TAG):
+        raise err("this compaction item was not made by this server (its encrypted_content "
+                  "is not afm's): compact the conversation with this server's "
+                  "/v1/responses/compact, or send the items themselves", param)
+    try:
+        return base64.b64decode(content[len(COMPACTION_TAG):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise err("a compaction item's encrypted_content is damaged", param) from None
+
+
 def _item_id(item: dict[str, Any], prefix: str) -> str:
     given = item.get("id")
     return given if isinstance(given, str) and given else new_id(prefix)
@@ -242,6 +279,12 @@ def _input_item(item: Any, p: str) -> dict[str, Any]:
                 "output": _output_text(item["output"], f"{p}.output"), "status": "completed"}
     if kind == "reasoning":
         return _reasoning_item(item, p)
+    if kind == "compaction_trigger":
+        return {"id": _item_id(item, "ctr"), "type": "compaction_trigger"}
+    if kind == "compaction":
+        content = _required_str(item, "encrypted_content", p)
+        valid_text(decode_summary(content, f"{p}.encrypted_content"), f"{p}.encrypted_content")
+        return {"id": _item_id(item, "cmp"), "type": "compaction", "encrypted_content": content}
     if isinstance(kind, str) and kind in UNSUPPORTED_ITEMS:
         raise UnsupportedError(f"input items of type '{kind}' are not supported: afm runs "
                                "function tools only (send items themselves, not references)",
@@ -258,7 +301,11 @@ def _input_items(raw: Any) -> tuple[dict[str, Any], ...]:
                  "content": [{"type": "input_text", "text": text}], "status": "completed"},)
     if not isinstance(raw, list) or not raw:
         raise err("'input' must be a string or a non-empty array of input items", "input")
-    return tuple(_input_item(item, f"input[{i}]") for i, item in enumerate(raw))
+    items = tuple(_input_item(item, f"input[{i}]") for i, item in enumerate(raw))
+    for i, item in enumerate(items[:-1]):
+        if item["type"] == "compaction_trigger":
+            raise err("a compaction_trigger must be the final input item", f"input[{i}].type")
+    return items
 
 
 def _item_text(item: dict[str, Any], key: str = "content") -> str:
@@ -307,6 +354,10 @@ def to_messages(items: Iterable[dict[str, Any]], *, instructions: str | None = N
             name = item["name"] if not item.get("namespace") else joined(item["namespace"], item["name"])
             calls.append({"id": item["call_id"], "type": "function",
                           "function": {"name": name, "arguments": item["arguments"]}})
+        elif kind == "compaction":
+            flush()
+            out.append({"role": "user",
+                        "content": COMPACTED_HEADER + decode_summary(item["encrypted_content"])})
         elif kind == "function_call_output":
             flush()
             if item["call_id"] not in call_ids:
@@ -582,6 +633,11 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
                                param="previous_response_id", code="previous_response_has_choices")
         history = found.conversation
     items = _input_items(body.get("input"))
+    compaction = items[-1]["type"] == "compaction_trigger"
+    if compaction:
+        items = items[:-1]
+        if not history + items:
+            raise err("nothing to compact: the input has only a compaction_trigger", "input")
     tools_echo, chat_tools, skipped, spaced = _tools(body.get("tools"))
     choice_echo, chat_choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
     parallel = flag(body, "parallel_tool_calls", True)
@@ -597,6 +653,9 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     strings = {k: optional_str(body, k) for k in ("user", "safety_identifier", "prompt_cache_key",
                                               "service_tier")}
     messages = to_messages(history + items, instructions=instructions, first_new=len(history))
+    if compaction:  # the summarising turn: no tools, no output format
+        messages.append({"role": "user", "content": SUMMARY_PROMPT})
+        chat_tools, chat_choice, response_format = [], None, None
     chat_body: dict[str, Any] = {"messages": messages, "model": model, "stream": stream,
                                  "n": body.get("n"),
                                  "parallel_tool_calls": parallel,
@@ -629,4 +688,5 @@ def parse(body: Any, *, previous: Callable[[str], StoredResponse | None] | None 
     if skipped:
         chat = replace(chat, skipped_tools=skipped)
     return ResponsesCall(chat=chat, input_items=items, history=history, settings=settings,
-                         stream=stream, store=store, logprobs=logprobs, namespaced=spaced)
+                         stream=stream, store=store, logprobs=logprobs, namespaced=spaced,
+                         compaction=compaction)

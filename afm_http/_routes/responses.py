@@ -1,5 +1,9 @@
 """``/v1/responses``: OpenAI Responses, streamed or not, stored, continued, cancelled.
 
+``POST /v1/responses/compact`` (:mod:`afm_core.api.responses_compact`) runs
+a summarising turn of the served model, not streamed, and answers with the
+``response.compaction`` object.
+
 ``POST /v1/responses`` validates the body with
 :func:`afm_core.api.responses.parse` (``previous_response_id`` is looked up
 in the app's :class:`~afm_core.api.responses_store.ResponseStore`) and runs
@@ -54,6 +58,7 @@ from quart import Response, request
 
 from afm_core import AFMError, Engine, Finish, ReasoningDelta, RequestError, UnsupportedError
 from afm_core.api import responses as api
+from afm_core.api import responses_compact as compact_api
 from afm_core.api.responses_store import StoredResponse
 
 from .._asgi import AFMQuart
@@ -81,6 +86,7 @@ MAX_ITEMS_PAGE = 100
 def register(app: AFMQuart) -> None:
     app.post("/v1/responses")(responses_create)
     app.post("/v1/responses/input_tokens")(responses_input_tokens)
+    app.post("/v1/responses/compact")(responses_compact)
     app.get("/v1/responses/<response_id>")(responses_retrieve)
     app.delete("/v1/responses/<response_id>")(responses_delete)
     app.post("/v1/responses/<response_id>/cancel")(responses_cancel)
@@ -109,6 +115,26 @@ async def responses_create() -> Response:
     headers.update(skipped_tools_header(call.chat))
     return await respond(state, writer, streams, stack, stream=call.stream, request_id=rid,
                          headers=headers, before=_reasoning_counter(engine, writer.state))
+
+
+async def responses_compact() -> Response:
+    """``POST /v1/responses/compact`` (the SDK's ``responses.compact``; Codex's remote
+    compaction): the served model summarises the conversation, answered as a
+    ``response.compaction`` object (the user messages, then one ``compaction``
+    item).  Run as a non-streamed, unstored Responses call under the request id,
+    so the chat cancel route ends it too."""
+    state = current_state()
+    raw = await read_json()
+    call = compact_api.parse(raw, previous=lambda rid: _previous(state, rid))
+    rid = request_id()
+    stack, engine, streams = await open_model_choices(state, model_choice(raw),
+                                                      call.responses.chat.per_choice(), rid)
+    first = streams[0]
+    inner = api.Writer(api.ResponseWriter(call.responses, id=api.new_id("resp"),
+                                          created_at=first.created, model=first.model))
+    writer = compact_api.CompactWriter(call, inner)
+    return await respond(state, writer, streams, stack, stream=False, request_id=rid,
+                         before=_reasoning_counter(engine, inner.state))
 
 
 async def responses_input_tokens() -> Response:

@@ -60,7 +60,8 @@ async def check_refusals(c: httpx.AsyncClient, reason: str) -> None:
     assert "draining" in anthropic.json()["error"]["message"] or "shutting" in \
         anthropic.json()["error"]["message"]
     for path in ("/v1/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize",
-                 f"{CHAT}/count_tokens", "/v1/messages/count_tokens", "/v1/responses/input_tokens"):
+                 f"{CHAT}/count_tokens", "/v1/messages/count_tokens", "/v1/responses/input_tokens",
+                 "/v1/responses/compact"):
         assert (await c.post(path, json={})).status_code == 503, path
     # not new work: still served
     assert (await c.post(f"{CHAT}/nobody/cancel")).status_code == 404

@@ -73,6 +73,7 @@ async def test_route_table(echo_model_dir: Path) -> None:
         ("/v1/messages/count_tokens", post),
         ("/v1/responses", post),
         ("/v1/responses/input_tokens", post),
+        ("/v1/responses/compact", post),
         ("/v1/responses/<response_id>", get),
         ("/v1/responses/<response_id>", delete),
         ("/v1/responses/<response_id>/cancel", post),
