@@ -88,12 +88,13 @@ async def served_model(url: str, key: str) -> str:
 
 
 async def claude_p(url: str, home: Path, cwd: Path, prompt: str, *, key: str = "unused",
-                   fmt: str = "json") -> tuple[subprocess.CompletedProcess[bytes], list[dict[str, Any]]]:
-    """``claude -p PROMPT`` (Bash allowed without asking: ``--dangerously-skip-permissions``
+                   fmt: str = "json", tools: str = "Bash", model: str | None = None,
+                   ) -> tuple[subprocess.CompletedProcess[bytes], list[dict[str, Any]]]:
+    """``claude -p PROMPT`` (``tools`` allowed without asking: ``--dangerously-skip-permissions``
     is refused as root), its output parsed as JSON lines."""
     assert CLAUDE is not None
-    model = await served_model(url, key)
-    argv = [CLAUDE, "-p", prompt, "--model", model, "--allowedTools", "Bash",
+    model = model or await served_model(url, key)
+    argv = [CLAUDE, "-p", prompt, "--model", model, "--allowedTools", tools,
             "--output-format", fmt, *(["--verbose"] if fmt == "stream-json" else [])]
     with trio.fail_after(240):
         proc = await trio.run_process(argv, cwd=cwd, env=claude_env(home, url, key),
@@ -200,3 +201,46 @@ async def test_a_context_too_small_is_claude_codes_prompt_too_long(
     assert len(result) == 1, (proc.stdout, proc.stderr)
     assert result[0]["is_error"] and result[0]["api_error_status"] == 400, result
     assert result[0].get("terminal_reason") == "prompt_too_long", result
+
+
+async def test_two_tool_calls_in_one_turn_a_failing_command_and_a_write(
+        big_echo_dir: Path, tmp_path: Path, version: str, record_property: Any) -> None:
+    record_property("claude_code_version", version)
+    work = tmp_path / "work"
+    work.mkdir()
+    calls = [{"name": "Bash", "arguments": {"command": "ls no-such-dir", "description": "Fail"}},
+             {"name": "Write", "arguments": {"file_path": str(work / "made.txt"), "content": "by the echo\n"}}]
+    prompt = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    async with running_server(big_echo_dir) as (url, _):
+        proc, lines = await claude_p(url, tmp_path / "home", work, prompt, fmt="stream-json",
+                                     tools="Bash Write")
+    result = result_of(proc, lines)
+    assert not result["is_error"], result
+    uses = [b for e in lines if e.get("type") == "assistant" for b in e["message"]["content"]
+            if b["type"] == "tool_use"]
+    assert [u["name"] for u in uses] == ["Bash", "Write"], uses
+    assert (work / "made.txt").read_text() == "by the echo\n"  # Claude Code wrote it
+    outcome = {b["tool_use_id"]: b for e in lines if e.get("type") == "user"
+               for b in e["message"]["content"] if isinstance(b, dict) and b.get("type") == "tool_result"}
+    assert outcome[uses[0]["id"]].get("is_error") and not outcome[uses[1]["id"]].get("is_error"), outcome
+    # one final answer echoing both results, in order
+    answer = result["result"]
+    assert answer.count("<tool_response>") == 2 and "no-such-dir" in answer, result
+    assert answer.index("no-such-dir") < answer.index("made.txt"), result
+
+
+async def test_a_wrong_key_fails_at_once(echo_model_dir: Path, tmp_path: Path, version: str,
+                                         record_property: Any) -> None:
+    """afm's 401 says ``x-should-retry: false``: without it Claude Code retries
+    ten times with backoff, minutes of silence before its error."""
+    record_property("claude_code_version", version)
+    work = tmp_path / "work"
+    work.mkdir()
+    async with running_server(echo_model_dir, server=ServerConfig(api_key="right")) as (url, _):
+        with trio.fail_after(60):
+            proc, lines = await claude_p(url, tmp_path / "home", work, "hello", key="wrong",
+                                         model="m")
+    result = [e for e in lines if e.get("type") == "result"]
+    assert len(result) == 1, (proc.stdout, proc.stderr)
+    assert result[0]["is_error"] and result[0]["api_error_status"] == 401, result
+    assert "Invalid API key" in result[0]["result"], result
