@@ -32,12 +32,9 @@ from afm_http.testing import running_server
 CLAUDE = shutil.which("claude")
 TRIED_VERSION = "2.1.197"  # the version .ci/deps.sh installs, and these tests were written with
 # Claude Code's system prompt and tool definitions are ~46k tokens with the test
-# tokenizer (1024-token vocabulary), and it asks for up to 32k output tokens
-CONTEXT = 131072
-
-pytestmark = pytest.mark.skipif(
-    CLAUDE is None,
-    reason="Claude Code not on PATH (npm install -g @anthropic-ai/claude-code@2.1.197; .ci/deps.sh does as root)")
+# tokenizer (1024-token vocabulary); it asks for max_tokens 32000, more than the
+# rest of this context, which afm caps
+CONTEXT = 65536
 
 
 def claude_version() -> str:
@@ -49,15 +46,17 @@ def claude_version() -> str:
     return m.group(1)
 
 
-@pytest.fixture(scope="module")
-def version() -> str:
-    """The installed version, recorded in each test's properties (JUnit XML) and
-    warned about when it is not the one these tests were written with."""
-    v = claude_version()
-    if v != TRIED_VERSION:
-        warnings.warn(f"Claude Code {v} on PATH; these tests were written with {TRIED_VERSION}",
-                      stacklevel=1)
-    return v
+VERSION = claude_version() if CLAUDE else "absent"
+if CLAUDE and VERSION != TRIED_VERSION:
+    warnings.warn(f"Claude Code {VERSION} on PATH; these tests were written with {TRIED_VERSION}",
+                  stacklevel=1)
+
+pytestmark = [
+    pytest.mark.skipif(CLAUDE is None, reason="Claude Code not on PATH (npm install -g "
+                       "@anthropic-ai/claude-code@2.1.197; .ci/deps.sh does as root)"),
+    # the client's version is in every test's id (test_...[claude-code-2.1.197]) and properties
+    pytest.mark.parametrize("version", [VERSION], ids=[f"claude-code-{VERSION}"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def claude_env(home: Path, url: str, key: str) -> dict[str, str]:
     """The inherited environment less any Anthropic/Claude settings, with a
     fresh HOME and config dir, afm as the API and no traffic elsewhere."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ANTHROPIC_", "CLAUDE_", "DISABLE_"))}
+           if not k.startswith(("ANTHROPIC_", "CLAUDE", "DISABLE_"))}  # CLAUDECODE too
     env.update({
         "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": key,
@@ -89,6 +88,7 @@ async def served_model(url: str, key: str) -> str:
 
 async def claude_p(url: str, home: Path, cwd: Path, prompt: str, *, key: str = "unused",
                    fmt: str = "json", tools: str = "Bash", model: str | None = None,
+                   env: dict[str, str] | None = None,
                    ) -> tuple[subprocess.CompletedProcess[bytes], list[dict[str, Any]]]:
     """``claude -p PROMPT`` (``tools`` allowed without asking: ``--dangerously-skip-permissions``
     is refused as root), its output parsed as JSON lines."""
@@ -97,7 +97,7 @@ async def claude_p(url: str, home: Path, cwd: Path, prompt: str, *, key: str = "
     argv = [CLAUDE, "-p", prompt, "--model", model, "--allowedTools", tools,
             "--output-format", fmt, *(["--verbose"] if fmt == "stream-json" else [])]
     with trio.fail_after(240):
-        proc = await trio.run_process(argv, cwd=cwd, env=claude_env(home, url, key),
+        proc = await trio.run_process(argv, cwd=cwd, env={**claude_env(home, url, key), **(env or {})},
                                       capture_stdout=True, capture_stderr=True, check=False)
     lines = [json.loads(line) for line in proc.stdout.decode().splitlines() if line.strip()]
     return proc, lines
@@ -172,6 +172,7 @@ async def test_a_second_session_reads_the_first_ones_prefix(big_echo_dir: Path, 
     record_property("claude_code_version", version)
     async with running_server(big_echo_dir) as (url, _):
         first, second = await two_sessions(url, tmp_path)
+    record_property("usage", [first, second])
     assert prompt_of(first) > 20000, first  # the system prompt and tools
     assert first["cache_read_input_tokens"] == 0, first
     # Claude Code sets cache_control breakpoints: afm reports their prefix written
@@ -244,3 +245,41 @@ async def test_a_wrong_key_fails_at_once(echo_model_dir: Path, tmp_path: Path, v
     assert len(result) == 1, (proc.stdout, proc.stderr)
     assert result[0]["is_error"] and result[0]["api_error_status"] == 401, result
     assert "Invalid API key" in result[0]["result"], result
+
+
+def git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                   cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+async def commit_between_sessions(url: str, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The second session's usage, in a git repository with a commit since the first."""
+    work = tmp_path / "repo"
+    work.mkdir(parents=True)
+    git(work, "init", "-q")
+    for i, question in enumerate(["what changed", "what changed since"]):
+        (work / "a.txt").write_text(f"version {i}\n")
+        git(work, "add", "a.txt")
+        git(work, "commit", "-qm", f"change {i}")
+        proc, lines = await claude_p(url, tmp_path / "home", work, question, env=env)
+        result = result_of(proc, lines)
+        assert not result["is_error"] and result["num_turns"] == 1, result
+    return dict(result["usage"])
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not on PATH")
+async def test_a_commit_between_sessions_and_the_git_snapshot(big_echo_dir: Path, tmp_path: Path,
+                                                              version: str, record_property: Any) -> None:
+    """In a git repository the system prompt ends with a ``git status`` snapshot,
+    which the template renders before the tools: a commit between two sessions
+    costs the tools' prefill, unless ``CLAUDE_CODE_DISABLE_GIT_INSTRUCTIONS=1``
+    (docs/agents.md)."""
+    record_property("claude_code_version", version)
+    async with running_server(big_echo_dir) as (url, _):
+        with_snapshot = await commit_between_sessions(url, tmp_path / "a", {})
+        without = await commit_between_sessions(
+            url, tmp_path / "b", {"CLAUDE_CODE_DISABLE_GIT_INSTRUCTIONS": "1"})
+    record_property("usage_after_commit", with_snapshot)
+    record_property("usage_after_commit_without_snapshot", without)
+    assert with_snapshot["cache_read_input_tokens"] < 0.5 * prompt_of(with_snapshot), with_snapshot
+    assert without["cache_read_input_tokens"] > 0.9 * prompt_of(without), without
