@@ -124,8 +124,11 @@ async def test_claude_p_runs_a_tool_round_trip(big_echo_dir: Path, tmp_path: Pat
     key = "sk-afm-test"
     async with running_server(big_echo_dir, server=ServerConfig(api_key=key)) as (url, _):
         proc, lines = await claude_p(url, tmp_path / "home", work, tool_call_prompt("cat note.txt"),
-                                     key=key, fmt="stream-json")
+                                     key=key, fmt="stream-json",
+                                     env={"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(CONTEXT)})
     result = result_of(proc, lines)
+    # the served context, told (docs/agents.md), is the window Claude Code compacts within
+    assert [u["contextWindow"] for u in result["modelUsage"].values()] == [CONTEXT], result
     init = next(e for e in lines if e.get("type") == "system" and e.get("subtype") == "init")
     assert init["claude_code_version"] == version
     assert not result["is_error"], result
