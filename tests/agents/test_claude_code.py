@@ -286,3 +286,27 @@ async def test_a_commit_between_sessions_and_the_git_snapshot(big_echo_dir: Path
     record_property("usage_after_commit_without_snapshot", without)
     assert with_snapshot["cache_read_input_tokens"] < 0.5 * prompt_of(with_snapshot), with_snapshot
     assert without["cache_read_input_tokens"] > 0.9 * prompt_of(without), without
+
+
+async def test_reading_a_picture_does_not_end_the_session(big_echo_dir: Path, tmp_path: Path,
+                                                          version: str, record_property: Any) -> None:
+    """Claude Code's Read returns a picture as an image block in the tool result:
+    afm (text only) answers with a note in its place, and the session goes on."""
+    record_property("claude_code_version", version)
+    work = tmp_path / "work"
+    work.mkdir()
+    # a 1x1 PNG
+    (work / "dot.png").write_bytes(bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415408"
+        "d763f8cfc000000301010018dd8db00000000049454e44ae426082"))
+    call = {"name": "Read", "arguments": {"file_path": str(work / "dot.png")}}
+    async with running_server(big_echo_dir) as (url, _):
+        proc, lines = await claude_p(url, tmp_path / "home", work,
+                                     f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
+                                     fmt="stream-json", tools="Read")
+    result = result_of(proc, lines)
+    sent = [b for e in lines if e.get("type") == "user" for b in e["message"]["content"]
+            if isinstance(b, dict) and b.get("type") == "tool_result"]
+    assert [c["type"] for c in sent[0]["content"]] == ["image"], sent  # what Claude Code sent
+    assert not result["is_error"], result
+    assert result["result"] == "<tool_response>\n[image omitted: this model reads text only]\n</tool_response>"
