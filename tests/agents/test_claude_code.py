@@ -175,7 +175,12 @@ async def test_a_second_session_reads_the_first_ones_prefix(big_echo_dir: Path, 
     record_property("claude_code_version", version)
     async with running_server(big_echo_dir) as (url, _):
         first, second = await two_sessions(url, tmp_path)
+        async with httpx.AsyncClient(base_url=url) as client:
+            metrics = (await client.get("/metrics")).text
     record_property("usage", [first, second])
+    # the server's own count agrees with the usage Claude Code got
+    cached = re.search(r"^afm_cached_prompt_tokens_total\{[^}]*\} (\d+)", metrics, re.M)
+    assert cached and int(cached.group(1)) == second["cache_read_input_tokens"], metrics
     assert prompt_of(first) > 20000, first  # the system prompt and tools
     assert first["cache_read_input_tokens"] == 0, first
     # Claude Code sets cache_control breakpoints: afm reports their prefix written
