@@ -3,9 +3,38 @@
 # run as root: haproxy (2.6+) for the replica tests (tests/deploy), chromium and
 # chromium-driver for the chat page's browser tests (tests/ui; selenium comes
 # from the `test` extra), g++-aarch64-linux-gnu and qemu-user for the NEON
-# kernels' check under emulation (tests/mlx/test_qmm_native.py).  It never fails CI: without them those tests skip,
-# saying what is missing.
+# kernels' check under emulation (tests/mlx/test_qmm_native.py); and, from npm,
+# the Claude Code and Codex CLIs for the agent tests (tests/agents).  It never fails CI:
+# without them those tests skip, saying what is missing.
 set -u
+
+# ---- Claude Code (tests/agents/test_claude_code.py) ---------------------------
+# The pinned CLI from npm when `claude` is missing and we run as root (npm's
+# nodejs from apt first if there is no npm); without it those tests skip.
+CLAUDE_CODE_VERSION=2.1.197
+if ! command -v claude >/dev/null 2>&1; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "deps: claude missing, and not root to install it: tests/agents/test_claude_code.py will skip" >&2
+    else
+        if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+            DEBIAN_FRONTEND=noninteractive timeout 900 apt-get update -qq >/dev/null \
+                && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq nodejs npm >/dev/null
+        fi
+        if command -v npm >/dev/null 2>&1 \
+                && timeout 900 npm install -g --no-fund --no-audit -q \
+                    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >/dev/null 2>&1; then
+            # the postinstall puts the native binary in place; run it if npm skipped scripts
+            claude --version >/dev/null 2>&1 || (cd "$(npm root -g)/@anthropic-ai/claude-code" \
+                && node install.cjs >/dev/null 2>&1)
+        fi
+        if claude --version >/dev/null 2>&1; then
+            echo "deps: installed Claude Code $CLAUDE_CODE_VERSION" >&2
+        else
+            echo "deps: npm could not install Claude Code: tests/agents/test_claude_code.py will skip" >&2
+        fi
+    fi
+fi
+# ---- end Claude Code ------------------------------------------------------------
 
 # --- Codex CLI (tests/agents/test_codex_cli.py): @openai/codex, pinned; installed
 # with npm when `codex` is missing or another version, as root only. ---

@@ -67,6 +67,9 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
         headers["Connection"] = "close"
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+        # a wrong key stays wrong: without this Claude Code retries a 401 ten times
+        # with backoff (minutes of silence) where the SDKs' rule stops at once
+        headers["x-should-retry"] = "false"
     if api == "anthropic":
         body = anthropic.error_body(message, status=status, request_id=request_id_or_none())
         return json_response(body, status, headers)

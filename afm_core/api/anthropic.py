@@ -32,7 +32,9 @@ What maps to what:
   arguments); ``tool_result`` blocks become tool messages (before the
   turn's text); ``thinking`` blocks become the assistant's reasoning;
   ``redacted_thinking`` is dropped.  Images and documents are refused
-  (400, the model reads text only).  Server tools (``web_search_*``,
+  (400, the model reads text only), but in a ``tool_result`` each is a note
+  that it was left out (refused, an agent's session would be stuck: every
+  later request carries it).  Server tools (``web_search_*``,
   ``web_fetch_*``, ``code_execution_*``, ``tool_search_tool_*``: Anthropic
   runs them) are not offered to the model, and the response's
   ``X-AFM-Skipped-Tools`` header names them; typed client tools

@@ -110,8 +110,9 @@ def _required(body: dict[str, Any], key: str) -> Any:
     return body[key]
 
 
-def _blocks(content: Any, path: str) -> list[dict[str, Any]]:
-    """A message's content as a list of block dicts (a string is one text block)."""
+def _blocks(content: Any, path: str, allowed: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """A message's content as a list of block dicts (a string is one text block);
+    a block type this server does not read is refused unless ``allowed``."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -122,7 +123,7 @@ def _blocks(content: Any, path: str) -> list[dict[str, Any]]:
         kind = block.get("type")
         if not isinstance(kind, str):
             raise _fail(f"{p}.type", "Field required")
-        if kind in UNSUPPORTED_BLOCKS:
+        if kind in UNSUPPORTED_BLOCKS and kind not in allowed:
             raise UnsupportedError(f"{p}: content block type '{kind}' is not supported by this "
                                    "server (the model reads text only)", param=p)
     return content
@@ -132,13 +133,17 @@ def _text(block: dict[str, Any], path: str) -> str:
     return _str(block.get("text"), f"{path}.text")
 
 
-def _texts(content: Any, path: str) -> list[str]:
-    """The text of a content that may hold text blocks only (``system``, tool results)."""
+def _texts(content: Any, path: str, omit: frozenset[str] = frozenset()) -> list[str]:
+    """The text of a content that may hold text blocks only (``system``, tool results);
+    a block of a type in ``omit`` is a note that it was left out."""
     if content is None:
         return []
     out = []
-    for i, block in enumerate(_blocks(content, path)):
+    for i, block in enumerate(_blocks(content, path, allowed=omit)):
         p = f"{path}.{i}"
+        if block["type"] in omit:
+            out.append(f"[{block['type']} omitted: this model reads text only]")
+            continue
         if block["type"] != "text":
             raise _fail(f"{p}.type", f"Input tag '{block['type']}' found using 'type' does not "
                         "match the expected tag: 'text'")
@@ -185,8 +190,15 @@ def _turns(raw: Any) -> tuple[list[_Turn], list[str]]:
     return turns, system
 
 
+OMITTED_IN_TOOL_RESULTS = frozenset({"image", "document"})
+"""Blocks a tool's result may hold that the model cannot read: each becomes a
+note saying so.  Refused, they would end an agent's session: the client keeps
+them in its history, so every later request would be refused too (Claude
+Code's Read tool returns a picture file as an image block)."""
+
+
 def _tool_result_text(block: dict[str, Any], path: str) -> str:
-    return "\n".join(_texts(block.get("content"), f"{path}.content"))
+    return "\n".join(_texts(block.get("content"), f"{path}.content", omit=OMITTED_IN_TOOL_RESULTS))
 
 
 def _user(turn: _Turn) -> list[dict[str, Any]]:

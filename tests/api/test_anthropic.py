@@ -126,6 +126,24 @@ def test_a_tool_round_trip_conversation() -> None:
     assert chat.tool_choice == "auto" and chat.parallel_tool_calls
 
 
+def test_an_image_in_a_tool_result_is_a_note_not_a_400() -> None:
+    """Claude Code's Read returns a picture as an image block: refused, the
+    session would be stuck (every later request carries it)."""
+    messages = [{"role": "user", "content": "look"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Read", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+                    {"type": "text", "text": "a.png:"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+                    {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]
+    chat = parse_request(base(messages=messages, tools=[{"name": "Read", "input_schema": {}}])).chat
+    assert chat.messages[2] == {"role": "tool", "tool_call_id": "t", "content":
+                                "a.png:\n[image omitted: this model reads text only]\n"
+                                "[document omitted: this model reads text only]"}
+    # anywhere else, still a 400
+    with pytest.raises(UnsupportedError):
+        parse_request(base(messages=[{"role": "user", "content": messages[2]["content"][0]["content"]}]))
+
+
 def test_an_assistant_turn_of_tool_calls_only_has_no_content() -> None:
     messages = [{"role": "user", "content": "go"},
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
@@ -284,8 +302,8 @@ def test_bad_requests_say_what_is_wrong(body: Any, message: str) -> None:
     (base(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
      "messages.0.content.0: content block type 'image' is not supported"),
     (base(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                  "content": [{"type": "image"}]}]}]),
-     "messages.0.content.0.content.0: content block type 'image' is not supported"),
+                                                  "content": [{"type": "search_result"}]}]}]),
+     "messages.0.content.0.content.0: content block type 'search_result' is not supported"),
     (base(messages=[{"role": "user", "content": [{"type": "document"}]}]), "messages.0.content.0: content block"),
     (base(system=[{"type": "image"}]), "system.0: content block type 'image' is not supported"),
     (base(tools=[{"type": "computer_20250124", "name": "computer"}]),

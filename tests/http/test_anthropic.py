@@ -337,6 +337,8 @@ async def test_http_errors_use_anthropics_envelope(echo_model_dir: Path) -> None
         with pytest.raises(anthropic.AuthenticationError) as auth:
             await client_for(url, api_key="wrong").messages.create(model="m", max_tokens=9, messages=user("x"))
         assert auth.value.body["error"]["type"] == "authentication_error"
+        # Claude Code retries a 401 with backoff for minutes unless told not to
+        assert auth.value.response.headers["x-should-retry"] == "false"
         keyed = client_for(url, api_key="s3cret")  # x-api-key, as the SDK sends it
         assert (await keyed.messages.create(model="m", max_tokens=9, messages=user("key"))).content[0].text == "key"
         bearer = anthropic.AsyncAnthropic(base_url=url, auth_token="s3cret", max_retries=0)

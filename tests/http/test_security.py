@@ -52,6 +52,7 @@ async def test_every_route_but_health_needs_the_key(echo_model_dir: Path) -> Non
                 assert r.status_code == 401, (method, path, bad)
                 assert envelope_of(r)["type"] == "authentication_error"
                 assert r.headers["www-authenticate"] == "Bearer"
+                assert r.headers["x-should-retry"] == "false"  # a wrong key stays wrong
         assert (await c.get("/health")).status_code == 200
         good = {"Authorization": "Bearer s3cret"}
         r = await c.post(CHAT, content=OK_BODY, headers=good)
