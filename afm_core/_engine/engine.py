@@ -68,7 +68,8 @@ from .genthread import run_on_generation_thread
 from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
 from .startup import Started, StartFailed, StartUp
-from .worker import Worker, WorkerStats
+from .stats import WorkerStats
+from .worker import Worker
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
