@@ -59,6 +59,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -398,9 +399,10 @@ class LeaderWorker(Worker):
     engine's :class:`~.worker.Worker` with a :class:`LeaderGenerator`, a
     watchdog and an idle heartbeat."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, distributed: DistributedConfig,
+    def __init__(self, model: Any, tokenizer: Any, *, distributed: DistributedConfig, config: EngineConfig,
                  group: Any = None, **kw: Any):
-        super().__init__(model, tokenizer, **kw)
+        # (the probe of kv_dtype "auto" is one rank's forward pass: not with distributed)
+        super().__init__(model, tokenizer, config=replace(config, kv_dtype="model"), **kw)
         self.distributed = distributed
         self.group = group
         self.link: Link | None = None
@@ -423,10 +425,10 @@ class LeaderWorker(Worker):
         self.gen = sharded_generator(
             self.model, group=self.group, leader=True, logprob_uids=self.logprob_uids,
             generator_class=LeaderGenerator, link=link, shared=JournaledSet,
-            **generator_settings(max_batch=self.max_batch, prefill_batch=self.prefill_batch,
-                                 prefill_step=self.prefill_step, eos=eos, stream=self.stream))
-        hello = {"max_batch": self.max_batch, "prefill_batch": self.prefill_batch,
-                 "prefill_step": self.prefill_step, "eos": eos, "mode": self.distributed.mode,
+            **generator_settings(max_batch=self.config.max_batch, prefill_batch=self.config.prefill_batch,
+                                 prefill_step=self.config.prefill_step, eos=eos, stream=self.stream))
+        hello = {"max_batch": self.config.max_batch, "prefill_batch": self.config.prefill_batch,
+                 "prefill_step": self.config.prefill_step, "eos": eos, "mode": self.distributed.mode,
                  "size": self.group.size(), "config": _config_digest(Path(self.model_key)),
                  "prefix_cache_size": self.prefix_cache.max_size}
         link.flush(["hello", hello], "the start-up hand-shake")

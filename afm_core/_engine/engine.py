@@ -371,19 +371,8 @@ class Engine:
                     if self.config.draft_model is not None and self.config.spec_max_batch else None
                 tables = DecoderTables.from_tokenizer(tokenizer)
                 worker = _distributed.worker_factory(self.config.distributed)(
-                    model, tokenizer, post=post, max_batch=self.config.max_batch,
-                    prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
-                    prefill_step_decoding=self.config.prefill_step_decoding,
-                    # (the probe of kv_dtype "auto" is one rank's forward pass: not with distributed)
-                    kv_dtype=self.config.kv_dtype if self.config.distributed is None else "model",
-                    prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
-                    cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
-                    adapters=adapters,
-                    kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size,
-                    prompt_lookup=self.config.prompt_lookup, draft=draft,
-                    draft_tokens=self.config.draft_tokens, spec_max_batch=self.config.spec_max_batch,
-                    embedding_step=self.config.embedding_step,
-                )
+                    model, tokenizer, post=post, config=self.config, model_key=str(path),
+                    adapters=adapters, draft=draft)
                 worker.setup()
                 startup = Started(worker, tokenizer, tables, info)
             except BaseException as exc:  # noqa: BLE001 - reported to run()

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import queue
 import threading
 import time
@@ -107,6 +106,7 @@ if TYPE_CHECKING:
     from .._mlx.prefill import EngineBatchGenerator, PromptScores
     from .._mlx.prefix_cache import PinningPromptCache
     from .._mlx.speculative import Speculation
+    from .config import EngineConfig
     from .sampling import SamplerCache
     from .shared_prefill import ShareKey
 
@@ -115,53 +115,24 @@ log = logging.getLogger("afm.engine")
 class Worker:
     """Runs in its own thread; see the module docstring."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: TokenizerWrapper,
-        *,
-        post: Callable[[Outputs], None],
-        max_batch: int,
-        prefill_batch: int,
-        prefill_step: int,
-        prefix_cache_bytes: int | None,
-        prefill_step_decoding: int = 0,
-        kv_dtype: str = "model",
-        model_key: str,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_disk_bytes: int = 0,
-        adapters: AdapterRows | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        prompt_lookup: int = 0,
-        draft: nn.Module | None = None,
-        draft_tokens: int = 0,
-        spec_max_batch: int = 0,
-        embedding_step: int = 512,
-    ):
+    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, *, post: Callable[[Outputs], None],
+                 config: EngineConfig, model_key: str, adapters: AdapterRows | None = None,
+                 draft: nn.Module | None = None):
+        """``config``: the engine's settings (the batch, the prefill, the prefix
+        cache's tiers, the KV cache, speculative decoding, embeddings);
+        ``model_key``: the model's path, naming its prefix cache entries;
+        ``adapters``: the LoRA adapters attached to ``model``; ``draft``: the
+        draft model of speculative decoding, if one is used."""
         self.model = model
-        self.embedding_step = embedding_step
-        self.adapters = adapters
         self.tokenizer = tokenizer
         self.post = post
-        self.max_batch = max_batch
-        self.prefill_batch = prefill_batch
-        self.prefill_step = prefill_step
-        self.prefill_step_decoding = prefill_step_decoding
-        self.prefix_cache_budget = prefix_cache_bytes  # None: sized to the model at setup
-        self.kv_dtype = kv_dtype
-        self.kv_half: bool | None = None  # decided once, at the first setup
+        self.config = config
         self.model_key = model_key
-        self.cache_dir = cache_dir
-        self.cache_disk_bytes = cache_disk_bytes
-        self.kv_bits = kv_bits
-        self.kv_group_size = kv_group_size
-        self.prompt_lookup = prompt_lookup
+        self.adapters = adapters
         self.draft = draft
-        self.draft_tokens = draft_tokens
-        self.spec_max_batch = spec_max_batch
+        self.kv_half: bool | None = None  # decided once, at the first setup
         # the prefix cache's memory and disk tiers (and the jobs waiting for a disk read)
-        self.tiers = PrefixTiers(model_key, prefix_cache_bytes or 0, active=lambda: self.gen.prompt_cache_nbytes)
+        self.tiers = PrefixTiers(model_key, config.prefix_cache_bytes or 0, active=lambda: self.gen.prompt_cache_nbytes)
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.stats = WorkerStats()
         self.by_uid: dict[MlxUid, Job] = {}  # admitted jobs, by mlx-lm's uid
@@ -224,27 +195,27 @@ class Worker:
             speculation=self._speculation(),
             max_tokens=1 << 30,
             stop_tokens=[[t] for t in eos],
-            completion_batch_size=self.max_batch,
+            completion_batch_size=self.config.max_batch,
             # mlx-lm widens the decode batch to the prefill batch: keep it within max_batch
-            prefill_batch_size=min(self.prefill_batch, self.max_batch),
-            prefill_step_size=self.prefill_step,
-            prefill_step_decoding=self.prefill_step_decoding,
+            prefill_batch_size=min(self.config.prefill_batch, self.config.max_batch),
+            prefill_step_size=self.config.prefill_step,
+            prefill_step_decoding=self.config.prefill_step_decoding,
             stream=self.stream,
-            kv_bits=self.kv_bits,
-            kv_group_size=self.kv_group_size,
+            kv_bits=self.config.kv_bits,
+            kv_group_size=self.config.kv_group_size,
             kv_half=bool(self.kv_half),
         )
         self.tiers.memory = self._new_prefix_cache()
-        if self.cache_dir is not None:
+        if self.config.cache_dir is not None:
             from .._mlx.disk_cache import model_fingerprint
 
-            self.tiers.open_disk(self.cache_dir, self.cache_disk_bytes, model_fingerprint(self.model_key, self.kv_format),
+            self.tiers.open_disk(self.config.cache_dir, self.config.cache_disk_bytes, model_fingerprint(self.model_key, self.kv_format),
                                  wake=self._wake,
                                  adapters=self.adapters.fingerprints if self.adapters is not None else ())
         self.samplers: SamplerCache = SamplerCache()
         from .embed_steps import EmbeddingSteps
 
-        self.embeddings = EmbeddingSteps(self.model, mx, self.stream, self.embedding_step)
+        self.embeddings = EmbeddingSteps(self.model, mx, self.stream, self.config.embedding_step)
         self.eos = set(eos)
         if self.adapters is not None:
             self.adapters.of.clear()  # (a generator made again after a failed step)
@@ -263,16 +234,16 @@ class Worker:
             return
         from .._mlx.half_cache import fits_half
 
-        if self.kv_bits is not None or self.kv_dtype == "model":
+        if self.config.kv_bits is not None or self.config.kv_dtype == "model":
             self.kv_half = False
-        elif self.kv_dtype == "float16":
+        elif self.config.kv_dtype == "float16":
             self.kv_half = True
         else:
             with self.mx.stream(self.stream):
                 self.kv_half = fits_half(self.model, list(self.tokenizer.encode(PROBE_TEXT)))
             self.mx.clear_cache()
-        if self.prefix_cache_budget is None:
-            self.prefix_cache_bytes = default_prefix_budget(self.model, self.kv_bits, self.kv_group_size,
+        if self.config.prefix_cache_bytes is None:
+            self.prefix_cache_bytes = default_prefix_budget(self.model, self.config.kv_bits, self.config.kv_group_size,
                                                             bool(self.kv_half))
         log.info("KV cache: %s; prefix cache budget %d MiB", self.kv_description,
                  self.prefix_cache_bytes >> 20)
@@ -280,8 +251,8 @@ class Worker:
     @property
     def kv_description(self) -> str:
         """``float16``, ``float32`` (the model's type) or e.g. ``8-bit (groups of 64)``."""
-        if self.kv_bits is not None:
-            return f"{self.kv_bits}-bit (groups of {self.kv_group_size})"
+        if self.config.kv_bits is not None:
+            return f"{self.config.kv_bits}-bit (groups of {self.config.kv_group_size})"
         return "float16" if self.kv_half else "the model's type"
 
     def _speculation(self) -> Speculation | None:
@@ -289,16 +260,16 @@ class Worker:
         prompt lookup), or None."""
         from .._mlx.speculative import DraftModel, PromptLookup, Proposer, Speculation
 
-        if self.spec_max_batch <= 0:
+        if self.config.spec_max_batch <= 0:
             return None
         proposer: Proposer
-        if self.draft is not None and self.draft_tokens > 0:
-            proposer, k = DraftModel(self.draft), self.draft_tokens
-        elif self.prompt_lookup > 0:
-            proposer, k = PromptLookup(), self.prompt_lookup
+        if self.draft is not None and self.config.draft_tokens > 0:
+            proposer, k = DraftModel(self.draft), self.config.draft_tokens
+        elif self.config.prompt_lookup > 0:
+            proposer, k = PromptLookup(), self.config.prompt_lookup
         else:
             return None
-        return Speculation(proposer, tokens=k, max_batch=self.spec_max_batch)
+        return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch)
 
     def _wake(self) -> None:
         """(From the disk tier's I/O thread.)  Some disk work is done: an idle
@@ -309,8 +280,8 @@ class Worker:
     def kv_format(self) -> str:
         """The KV cache's format, ``""`` (the model's float type), ``"f16"`` or
         e.g. ``"q8g64"`` (see ``model_fingerprint``)."""
-        if self.kv_bits is not None:
-            return f"q{self.kv_bits}g{self.kv_group_size}"
+        if self.config.kv_bits is not None:
+            return f"q{self.config.kv_bits}g{self.config.kv_group_size}"
         return "f16" if self.kv_half else ""
 
     # -- the parts' state, by the names the worker had ---------------------------
@@ -750,7 +721,7 @@ class Worker:
         events.append(usage)
         if job.profile is not None:
             mx = self.mx
-            per_token = kv_bytes_per_token(self.model, self.kv_bits, self.kv_group_size, half=bool(self.kv_half))
+            per_token = kv_bytes_per_token(self.model, self.config.kv_bits, self.config.kv_group_size, half=bool(self.kv_half))
             kv = per_token * (len(job.prompt) + job.completion_tokens)
             payload = job.profile.payload(
                 prompt_tokens=len(job.prompt),
@@ -762,7 +733,7 @@ class Worker:
                 peak_bytes=mx.get_peak_memory(),
                 device=self.device,
                 blas=self.blas,
-                kv_bits=self.kv_bits,
+                kv_bits=self.config.kv_bits,
             )
             events.append(Profile(payload, job.profile.extended))
         return events
