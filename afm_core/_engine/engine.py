@@ -53,6 +53,7 @@ from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailu
 from ..api.chat import Writer as ChatWriter
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
+from .boot import Boot
 from .commands import (
     Embed,
     Job,
@@ -64,10 +65,11 @@ from .commands import (
     RequestState,
 )
 from .config import WARMUP_WIDTH, EngineConfig
-from .genthread import run_on_generation_thread
+from .genthread import Run, run_on_generation_thread
+from .handoff import Handoff
 from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
-from .startup import Started, StartFailed, StartUp
+from .startup import Started, StartFailed
 from .stats import WorkerStats
 from .worker import Worker
 
@@ -317,111 +319,13 @@ class Engine:
 
         path = await trio.to_thread.run_sync(resolve_model, self._model_spec)
         token = trio.lowlevel.current_trio_token()
-        ready = trio.Event()
-        startup: StartUp | None = None  # set by the thread before ``ready``
-
-        # Hand-off: the thread appends each step's outputs; one Trio callback is
-        # scheduled at a time and drains everything posted since, so a busy Trio
-        # side gets one wake-up per drain (each stream's mailbox coalesces).
-        lock = threading.Lock()
-        pending: list[Outputs] = []
-        scheduled = False
-
-        def drain() -> None:
-            nonlocal scheduled
-            with lock:
-                batch = pending[:]
-                pending.clear()
-                scheduled = False
-            for outputs in batch:
-                self._dispatch(outputs)
-
-        def post(outputs: Outputs) -> None:
-            nonlocal scheduled
-            with lock:
-                pending.append(outputs)
-                if scheduled:
-                    return
-                scheduled = True
-            try:
-                token.run_sync_soon(drain)
-            except trio.RunFinishedError:
-                pass
-
-        def thread_main() -> None:
-            from .._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
-            from . import distributed as _distributed
-
-            nonlocal startup
-            model = draft = None
-            try:
-                # the whole model, or (EngineConfig.distributed) rank 0's shard of it
-                model, tokenizer, info = _distributed.load(path, self.config.distributed)
-                if self.config.cpu_fusion:
-                    fuse_for_cpu(model)
-                adapters = None
-                if self.config.adapters:  # after the CPU rewrite: they wrap its layers
-                    from .._mlx.lora import attach_adapters
-
-                    try:
-                        adapters = attach_adapters(model, self.config.adapters)
-                    except (ValueError, OSError) as exc:
-                        raise ModelLoadError(f"could not load the adapters: {exc}") from exc
-                draft = _load_draft(self.config.draft_model, tokenizer, self.config.cpu_fusion) \
-                    if self.config.draft_model is not None and self.config.spec_max_batch else None
-                tables = DecoderTables.from_tokenizer(tokenizer)
-                worker = _distributed.worker_factory(self.config.distributed)(
-                    model, tokenizer, post=post, config=self.config, model_key=str(path),
-                    adapters=adapters, draft=draft)
-                worker.setup()
-                startup = Started(worker, tokenizer, tables, info)
-            except BaseException as exc:  # noqa: BLE001 - reported to run()
-                # undo the CPU rewrite of what was loaded: the decode attention's
-                # name is patched module-wide, counted per model using it
-                from .._mlx.lora import detach_adapters
-
-                for loaded in (model, draft):
-                    if loaded is not None:
-                        detach_adapters(loaded)  # (none attached: nothing to do)
-                        unfuse_cpu_kernels(loaded)
-                startup = StartFailed(exc)
-                token.run_sync_soon(ready.set)
-                return
-            token.run_sync_soon(ready.set)
-            try:
-                worker.loop()
-            except BaseException as exc:  # noqa: BLE001
-                worker.fatal = exc
-                worker.run_failed(exc)
-            finally:
-                from .._mlx.lora import detach_adapters
-
-                detach_adapters(model)  # before the rewrite it wraps is undone
-                unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
-                if draft is not None:
-                    unfuse_cpu_kernels(draft)
-
-        thread = run_on_generation_thread(thread_main)
-        try:
-            await ready.wait()
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await ready.wait()
-                if isinstance(startup, Started):
-                    startup.worker.stop()
-                await trio.to_thread.run_sync(thread.join)
-            raise
-        if not isinstance(startup, Started):
-            await trio.to_thread.run_sync(thread.join)
-            assert isinstance(startup, StartFailed)
-            err = startup.error
-            if isinstance(err, ModelLoadError):
-                raise err
-            raise ModelLoadError(f"could not start the engine: {err}") from err
-        self._worker = startup.worker
-        self._tokenizer = startup.tokenizer
-        self._detok_tables = startup.tables
-        self.info = startup.info
+        boot = Boot(path, self.config, post=Handoff(token, self._dispatch).post, token=token)
+        thread = run_on_generation_thread(boot.run)
+        started = await self._started(boot, thread)
+        self._worker = started.worker
+        self._tokenizer = started.tokenizer
+        self._detok_tables = started.tables
+        self.info = started.info
         self._closed = False
         if self.config.warmup:
             await self._warm_up()
@@ -437,6 +341,29 @@ class Engine:
                 record.mailbox.close()
             for waiting in list(self._embed_waits):
                 waiting.set()  # embed() finds no result: EngineClosedError
+
+    @staticmethod
+    async def _started(boot: Boot, thread: Run) -> Started:
+        """Wait for the generation thread's start-up; a failed one (the thread
+        has ended) raises :class:`ModelLoadError`, a cancelled wait stops the
+        worker if it started."""
+        try:
+            await boot.ready.wait()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await boot.ready.wait()
+                if isinstance(boot.startup, Started):
+                    boot.startup.worker.stop()
+                await trio.to_thread.run_sync(thread.join)
+            raise
+        if isinstance(boot.startup, Started):
+            return boot.startup
+        await trio.to_thread.run_sync(thread.join)
+        assert isinstance(boot.startup, StartFailed)
+        err = boot.startup.error
+        if isinstance(err, ModelLoadError):
+            raise err
+        raise ModelLoadError(f"could not start the engine: {err}") from err
 
     # -- requests ----------------------------------------------------------------
 
@@ -890,22 +817,6 @@ _WORKER_COUNTERS = tuple(
     f.name for f in fields(EngineStatistics)
     if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
 """The statistics the generation thread counts (``WorkerStats``), copied by name."""
-
-
-def _load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
-    """The draft model of speculative decoding (on the generation thread),
-    fused like the model; its vocabulary must be the model's."""
-    from .._mlx.fusion import fuse_for_cpu
-    from .._models.loader import load
-    from .._models.resolve import resolve_model
-
-    draft, draft_tokenizer, _ = load(resolve_model(str(spec)))
-    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
-        raise ModelLoadError(f"the draft model {spec} has another vocabulary "
-                             f"({draft_tokenizer.vocab_size} tokens, the model {tokenizer.vocab_size})")
-    if fuse:
-        fuse_for_cpu(draft)
-    return draft
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:
