@@ -19,10 +19,10 @@ from ._engine.distributed import run_follower as run_follower
 from ._engine.engine import ChatStream as ChatStream
 from ._engine.engine import Embeddings as Embeddings
 from ._engine.engine import Engine as Engine
-from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
 from ._engine.runtime import RuntimeInfo as RuntimeInfo
 from ._engine.runtime import runtime_info as runtime_info
+from ._engine.stats import EngineStatistics as EngineStatistics
 from ._errors import AdapterNotFoundError as AdapterNotFoundError
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -70,7 +70,7 @@ from .handoff import Handoff
 from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
 from .startup import Started, StartFailed
-from .stats import WorkerStats
+from .stats import WORKER_COUNTERS, EngineStatistics, WorkerStats
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -80,93 +80,6 @@ TERMINAL = (Finish, StreamFailure)
 T = TypeVar("T")
 
 log = logging.getLogger("afm.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of the engine (see :meth:`Engine.statistics`)."""
-
-    running: int
-    waiting: int
-    requests_total: int
-    requests_active: int
-    prompt_tokens: int
-    cached_tokens: int
-    generation_tokens: int
-    prefix_cache_hits: int
-    prefix_cache_lookups: int
-    prefix_cache_bytes: int
-    steps: int
-    ttft_seconds_sum: float
-    ttft_count: int
-    finished: dict[str, int] = field(default_factory=dict)
-    blas: str = ""
-    """The BLAS computing MLX's CPU products (``openblas``, ``reference``,
-    ``accelerate``; see ``afm_core._mlx.blas``), once the engine has started."""
-    shared_prefills: int = 0
-    """Requests started from another request's prefill of the same prompt
-    (several choices of one prompt, identical requests arriving together):
-    each computed one prompt token instead of all of them."""
-    kept_prefixes: int = 0
-    """Requests that left before they ended (cancelled, or their client went
-    away) whose computed prefix (a prefill stopped part-way, or the prompt
-    and the output so far) was kept in the prefix cache for a retry."""
-    embedding_requests: int = 0
-    """:meth:`Engine.embed` calls answered."""
-    embedding_tokens: int = 0
-    """Their input tokens."""
-    embeddings_active: int = 0
-    """:meth:`Engine.embed` calls running now (they count toward ``max_waiting``)."""
-    prefix_cache_memory_hits: int = 0
-    """Lookups the memory tier of the prefix cache served (``prefix_cache_hits``
-    counts both tiers' hits)."""
-    prefix_cache_memory_misses: int = 0
-    """Lookups the memory tier did not serve (the disk tier may have)."""
-    prefix_cache_disk_hits: int = 0
-    """Lookups the disk tier (``EngineConfig.cache_dir``) served: its entry was
-    read back instead of prefilling the prompt's prefix."""
-    prefix_cache_disk_misses: int = 0
-    """Lookups neither tier served, with a disk tier."""
-    prefix_cache_disk_bytes: int = 0
-    """Bytes of the disk tier's files (this model's)."""
-    prefix_cache_disk_entries: int = 0
-    """Entries in the disk tier."""
-    prefix_cache_disk_writes: int = 0
-    """Entries written to the disk tier."""
-    prefix_cache_disk_written_bytes: int = 0
-    """Their bytes."""
-    prefix_cache_disk_read_bytes: int = 0
-    """Bytes read back from the disk tier."""
-    prefix_cache_disk_evictions: int = 0
-    """Entries deleted to keep the disk tier within ``cache_disk_bytes``."""
-    prefix_cache_disk_corrupt: int = 0
-    """Disk entries found corrupt or truncated (deleted, never served)."""
-    prefix_cache_disk_dropped_writes: int = 0
-    """Writes given up (superseded by a longer entry before they began, more
-    pending than the disk keeps up with, or failed)."""
-    kv_bits: int | None = None
-    """Bits per element of the KV cache (``EngineConfig.kv_bits``: 8 or 4,
-    quantized); None: float."""
-    kv_group_size: int | None = None
-    """Elements per scale of the quantized KV cache; None with a float one."""
-    kv_cache: str = ""
-    """The KV cache's element type as chosen at start (``EngineConfig.kv_dtype``):
-    ``float16``, ``the model's type`` or e.g. ``8-bit (groups of 64)``."""
-    prefix_cache_budget: int = 0
-    """Bytes the prefix cache's memory tier may hold (``EngineConfig.prefix_cache_bytes``,
-    or the size chosen for the model)."""
-    spec_steps: int = 0
-    """Verify steps of speculative decoding (``EngineConfig.prompt_lookup``,
-    ``draft_model``): steps that checked proposed tokens."""
-    spec_proposed: int = 0
-    """Tokens proposed in them."""
-    spec_accepted: int = 0
-    """Proposed tokens the model agreed with, each emitted without a step of
-    its own (acceptance rate: ``spec_accepted / spec_proposed``)."""
-    preparations_abandoned: int = 0
-    """Preparations (templating, tokenizing; ``tokenize`` and ``embed`` texts)
-    stopped before their end because their caller left (a client that hung
-    up): their thread went back to its lane at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -716,7 +629,7 @@ class Engine:
         w = self._worker
         ws = w.stats if w is not None else WorkerStats()  # not started: every counter 0
         return EngineStatistics(
-            **{name: getattr(ws, name) for name in _WORKER_COUNTERS},
+            **{name: getattr(ws, name) for name in WORKER_COUNTERS},
             waiting=max(len(self._inflight) - ws.running, 0),
             requests_total=self._requests_total,
             requests_active=len(self._inflight),
@@ -813,10 +726,6 @@ class Engine:
             self._side_calls -= 1
 
 
-_WORKER_COUNTERS = tuple(
-    f.name for f in fields(EngineStatistics)
-    if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
-"""The statistics the generation thread counts (``WorkerStats``), copied by name."""
 
 
 def _as_request(request: object) -> ChatRequest | CompletionRequest:
