@@ -88,6 +88,21 @@ def _port(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``afm serve``'s flags: the models, the server, the engine (its defaults
+    from :class:`EngineConfig` and :class:`ServerConfig`), speculative decoding,
+    the distributed group."""
+    _model_arguments(parser)
+    _server_arguments(parser)
+    engine = parser.add_argument_group("engine")
+    _engine_arguments(engine)
+    _spec_arguments(parser)
+    _feature_arguments(engine)
+    parser.add_argument("--quiet", action="store_true", help="no access log")
+    _distributed.add_arguments(parser)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which models are served, and how long they stay loaded."""
     parser.add_argument("--model", action="append", default=None, metavar="M",
                         help="mlx-lm directory, .gguf file or Hugging Face repo id "
                              "(default: the embedded SmolLM2-135M-Instruct); repeat it to serve "
@@ -105,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budget for the loaded models' weights (bytes on disk; e.g. 8G): "
                              "loading one first unloads the least recently used idle ones, or "
                              "waits for one to become idle (default: no budget)")
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server: address, access, limits, timeouts, the chat page, draining."""
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default: 127.0.0.1, loopback only)")
     parser.add_argument("--port", type=_port, default=9999, help="TCP port (0: any free port)")
@@ -154,7 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation requests at once, let running streams finish for up to S "
                              "seconds, then cancel the rest; 0: SIGTERM cancels open streams at "
                              "once (default: 0; behind a load balancer use e.g. 30)")
-    engine = parser.add_argument_group("engine")
+
+
+def _engine_arguments(engine: argparse._ArgumentGroup) -> None:
+    """The batch, the prefill, the prefix cache and the KV cache."""
     engine.add_argument("--max-batch", type=_int_at_least(1), default=_ENGINE.max_batch,
                         help="streams decoded together (default: 32)")
     engine.add_argument("--max-waiting", type=_int_at_least(0), default=_ENGINE.max_waiting,
@@ -194,6 +216,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "computes in float32 and its keys and values fit (default: auto)")
     engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=_ENGINE.default_max_tokens,
                         help="cap for requests without max_tokens (default: the rest of the context)")
+
+
+def _spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding."""
     spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
                                      "ones the same distribution; grammar, penalties, logit_bias and "
                                      "logprobs apply at every checked position)")
@@ -208,6 +234,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=_ENGINE.spec_max_batch, metavar="N",
                       help="speculate only while at most N streams decode; more run the plain batched "
                            "step (decided before every step; 0: never; default: 1)")
+
+
+def _feature_arguments(engine: argparse._ArgumentGroup) -> None:
+    """The engine's optional behaviours: prompts, grammars, warm-up, kernels, adapters, embeddings."""
     engine.add_argument("--keep-volatile-lines", action="store_true",
                         help="keep the per-request lines clients put into system prompts (Claude Code's "
                              "x-anthropic-billing-header); by default they are taken out so sessions "
@@ -241,8 +271,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or a hub id, e.g. a Qwen3-Embedding conversion with "
                              "--embedding-pooling last) on its own generation thread; default: "
                              "the served model")
-    parser.add_argument("--quiet", action="store_true", help="no access log")
-    _distributed.add_arguments(parser)
 
 
 def describe_blas(blas: Mapping[str, Any]) -> str:
@@ -333,7 +361,7 @@ def _duration(seconds: float) -> str:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from afm_core import resolve_model, runtime_info
+    from afm_core import resolve_model
 
     from ._registry import open_models
     from ._server import serve_engine
@@ -352,16 +380,7 @@ async def _main(args: argparse.Namespace) -> None:
     if args.embedding_model is not None:
         embedding_path = await trio.to_thread.run_sync(resolve_model, args.embedding_model)
         _say(f"loading the embedding model {embedding_path}")
-    server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                          allowed_hosts=tuple(args.allowed_host),
-                          max_body_bytes=args.max_body_bytes,
-                          responses_store_size=args.responses_store_size,
-                          responses_store_ttl=args.responses_store_ttl,
-                          responses_store_bytes=args.responses_store_bytes,
-                          stream_write_timeout=args.stream_write_timeout,
-                          idle_timeout=args.idle_timeout, max_connections=args.max_connections,
-                          keepalive_seconds=args.keepalive_seconds,
-                          drain_timeout=args.drain_timeout, ui=not args.no_ui)
+    server = _server_config(args)
     stop = trio.Event()
     drain = trio.Event()
 
@@ -380,28 +399,54 @@ async def _main(args: argparse.Namespace) -> None:
                     nursery.cancel_scope.cancel()  # (after a drain) stop waiting for signals
 
                 binds = await nursery.start(serve)
-                info = runtime_info()
-                isa = info.quantized_kernel
-                _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
-                     f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
-                auth = ", API key required" if args.api_key else ""
                 engine = models.engine_of(models.default_id)
                 what = f"{engine.model_id} (context {engine.context_length} tokens)" \
                     if engine is not None and not several else f"{len(specs)} models"
-                _say(f"serving {what} on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
-                     + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
-                if embedder is not None:
-                    _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
-                        _say(f"{name}: draining (open streams get up to {args.drain_timeout:g} s; "
-                             "a second signal stops at once)")
-                        drain.set()
-                        continue
-                    _say(f"{name}: shutting down")
-                    stop.set()
-                    break
+                _say_serving(args, what, binds, embedder)
+                await _until_stopped(signals, args, drain=drain, stop=stop)
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                        allowed_hosts=tuple(args.allowed_host),
+                        max_body_bytes=args.max_body_bytes,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl=args.responses_store_ttl,
+                        responses_store_bytes=args.responses_store_bytes,
+                        stream_write_timeout=args.stream_write_timeout,
+                        idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+                        keepalive_seconds=args.keepalive_seconds,
+                        drain_timeout=args.drain_timeout, ui=not args.no_ui)
+
+
+def _say_serving(args: argparse.Namespace, what: str, binds: list[str], embedder: Engine | None) -> None:
+    """The start-up lines once the server listens: the kernels, the addresses, the embedder."""
+    from afm_core import runtime_info
+
+    info = runtime_info()
+    isa = info.quantized_kernel
+    _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
+         f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
+    auth = ", API key required" if args.api_key else ""
+    _say(f"serving {what} on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
+         + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
+    if embedder is not None:
+        _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
+
+
+async def _until_stopped(signals: AsyncIterator[int], args: argparse.Namespace, *, drain: trio.Event,
+                         stop: trio.Event) -> None:
+    """SIGTERM with a drain timeout drains first; any other (or a second) signal stops."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
+            _say(f"{name}: draining (open streams get up to {args.drain_timeout:g} s; "
+                 "a second signal stops at once)")
+            drain.set()
+            continue
+        _say(f"{name}: shutting down")
+        stop.set()
+        break
 
 
 @asynccontextmanager
