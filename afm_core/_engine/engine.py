@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -49,17 +49,16 @@ from .._errors import (
 from .._mlx.tokenizer import encode
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
-from ..api.chat import Writer as ChatWriter
+from .._stream.events import Finish, Profile, PromptProgress, Usage
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
 from .boot import Boot
+from .chat_stream import ChatStream, Embeddings
 from .commands import (
     Embed,
     Job,
     JobKey,
     Outputs,
-    PromptLogprobs,
     RequestId,
     RequestRecord,
     RequestState,
@@ -71,95 +70,22 @@ from .lanes import Preparation, Ticket, text_cost
 from .mailbox import Mailbox
 from .startup import Started, StartFailed
 from .stats import WORKER_COUNTERS, EngineStatistics, WorkerStats
+from .texts import (
+    as_request,
+    embedding_items,
+    embedding_token_lists,
+    request_cost,
+    token_pieces,
+    tokenizer_info,
+)
 from .worker import Worker
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-TERMINAL = (Finish, StreamFailure)
 T = TypeVar("T")
 
 log = logging.getLogger("afm.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class Embeddings:
-    """What :meth:`Engine.embed` returns: one L2-normalized vector per input
-    (in the inputs' order) and each input's token count."""
-
-    vectors: list[list[float]]
-    token_counts: tuple[int, ...]
-    pooling: str
-    """The pooling used: ``mean``, ``last`` or ``cls``."""
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens of every input together (the usage's ``prompt_tokens``)."""
-        return sum(self.token_counts)
-
-
-class ChatStream:
-    """One request's events; iterate it, or ``batches()`` for one tuple per step."""
-
-    def __init__(self, *, id: str, created: int, model: str, request_id: RequestId,
-                 mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool,
-                 record: RequestRecord | None = None):
-        self.id = id
-        self.created = created
-        self.model = model
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.grammar_downgraded = grammar_downgraded
-        self._mailbox = mailbox
-        self._record = record
-        self._ended = False
-
-    @property
-    def finished(self) -> bool:
-        """True once every event of the stream has arrived: reading will not wait."""
-        return self._mailbox.closed
-
-    @property
-    def prompt_logprobs(self) -> PromptLogprobs | None:
-        """The prompt's own tokens scored (a :class:`CompletionRequest` with
-        ``prompt_logprobs``), set before the batch that carries the first
-        token (or the finish) is read; None until then, and for other requests."""
-        return self._record.prompt_logprobs if self._record is not None else None
-
-    async def next_batch(self) -> tuple[Event, ...] | None:
-        """The next batch :meth:`batches` would yield, or None at the end.
-        Safe to cancel: a cancelled call takes nothing from the stream."""
-        if self._ended:
-            return None
-        batch = await self._mailbox.take()
-        # Usage/Profile ride in the same batch as Finish
-        if batch is None or any(isinstance(e, TERMINAL) for e in batch):
-            self._ended = True
-        return batch
-
-    async def batches(self) -> AsyncIterator[tuple[Event, ...]]:
-        """Everything that arrived since the last batch (one engine step, or
-        several when the reader fell behind), until the stream ends."""
-        while (batch := await self.next_batch()) is not None:
-            yield batch
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        async for batch in self.batches():
-            for event in batch:
-                yield event
-
-    async def collect(self) -> dict[str, Any]:
-        """The whole stream as a ``chat.completion`` dict (the non-streaming shape),
-        folded by the chat translation's writer (:mod:`afm_core.api.chat`); raises
-        :class:`GenerationError` if the stream failed or ended without a finish."""
-        writer = ChatWriter(id=self.id, created=self.created, model=self.model, stream=False)
-        while not writer.ended(0):
-            batch = await self.next_batch()
-            if batch is None:
-                writer.close(0)
-                break
-            writer.feed(0, batch)
-        return writer.result()
 
 
 class Engine:
@@ -306,7 +232,7 @@ class Engine:
         first one's and start from a copy of its cache, computing only the
         last prompt token (their usage reports the rest as ``cached_tokens``).
         """
-        return self._stream(_as_request(request), request_id=request_id, profile=profile, group=group,
+        return self._stream(as_request(request), request_id=request_id, profile=profile, group=group,
                             progress=progress)
 
     @asynccontextmanager
@@ -379,7 +305,7 @@ class Engine:
         ``count_tokens`` routes count.  Raises :class:`RequestError` as
         :meth:`stream` would for messages the template cannot render.  (A
         :class:`CompletionRequest` gives its raw prompt's ids.)"""
-        req = _as_request(request)
+        req = as_request(request)
         if self._closed or self._tokenizer is None:
             raise EngineClosedError("the engine is not running")
         tokenizer, info = self._tokenizer, self._info()
@@ -427,58 +353,19 @@ class Engine:
         ``unk_token``: text or None), the other plain settings it was loaded with
         (``add_bos_token``, ``clean_up_tokenization_spaces`` ...; no file paths),
         ``model_max_length`` (the context length served) and the chat template."""
-        from .._mlx.tokenizer import hf_tokenizer
-
-        hf = hf_tokenizer(self._running_tokenizer())
-        info = self._info()
-        out: dict[str, Any] = {}
-        for key, value in (getattr(hf, "init_kwargs", None) or {}).items():
-            if key.endswith(("_file", "_path")) or key in ("name_or_path", "chat_template"):
-                continue
-            if value is None or isinstance(value, (str, int, float, bool)):
-                out[key] = value
-            elif isinstance(getattr(value, "content", None), str):  # an AddedToken
-                out[key] = value.content
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            value = getattr(hf, key, None)
-            out[key] = value if isinstance(value, str) else None
-        out.update(tokenizer_class=type(hf).__name__, model_max_length=info.context_length,
-                   chat_template=info.chat_template)
-        return out
+        return tokenizer_info(self._running_tokenizer(), self._info())
 
     async def token_pieces(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (a special token's spelling); raises
         :class:`RequestError` for an id outside the vocabulary.  A piece may
         be part of a UTF-8 character (byte-level and byte-fallback tokens)."""
-        from .._stream.detok_tables import BYTE, RAW, TEXT
-
         tokenizer = self._running_tokenizer()
         tables = self._detok_tables
         assert tables is not None
         self._check_ids(ids)
 
-        def piece(i: int) -> bytes:
-            kind = tables.kinds[i] if i < len(tables.kinds) else None
-            if kind == BYTE:
-                return bytes((tables.bytevals[i],))
-            if kind in (TEXT, RAW) and tables.mode == "byte_level":
-                raw = tables.raws[i]
-                assert raw is not None
-                return raw
-            if kind == TEXT:
-                text = tables.texts[i]
-                assert text is not None
-                return text.encode("utf-8")
-            # a special token (the tables skip them)
-            return str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8")
-
         def run(ticket: Ticket) -> list[bytes]:
-            out = []
-            for n, i in enumerate(ids):
-                if n % 4096 == 0:
-                    ticket.check()
-                out.append(piece(i))
-            return out
+            return token_pieces(ids, tokenizer, tables, ticket)
 
         return await self._side_call(run, cost=4 * len(ids))
 
@@ -512,7 +399,7 @@ class Engine:
         pooling = pooling or self.config.embedding_pooling
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
-        items = _embedding_items(inputs)
+        items = embedding_items(inputs)
         self._check_room()
         self._embedding_calls += 1
         try:
@@ -531,26 +418,7 @@ class Engine:
         limit = min(info.vocab_size, len(tokenizer))
 
         def tokenize(ticket: Ticket) -> list[tuple[int, ...]]:
-            out = []
-            for n, item in enumerate(items):
-                ticket.check()
-                param = "input" if len(items) == 1 else f"input[{n}]"
-                if isinstance(item, str):
-                    ids = tuple(encode(tokenizer, item, add_special_tokens=True, check=ticket.check))
-                else:
-                    for i in item:
-                        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < limit:
-                            raise RequestError(f"token id {i!r} is not in the model's vocabulary "
-                                               f"(0-{limit - 1})", param=param)
-                    ids = tuple(item)
-                if not ids:
-                    raise RequestError("an input must not be empty", param=param)
-                if len(ids) > info.context_length:
-                    raise ContextLengthError(
-                        f"input has {len(ids)} tokens, more than the model's context length "
-                        f"({info.context_length})", param=param)
-                out.append(ids)
-            return out
+            return embedding_token_lists(items, tokenizer, info, limit, ticket)
 
         token_lists = await self._prep.run(tokenize, cost=text_cost(items))
         result = await self._embed_on_thread(worker, token_lists, pooling)
@@ -726,48 +594,6 @@ class Engine:
             self._side_calls -= 1
 
 
-
-
-def _as_request(request: object) -> ChatRequest | CompletionRequest:
-    """``request`` as an engine request: an OpenAI-style chat dict is validated
-    (:class:`RequestError` when it is not a valid body)."""
-    if isinstance(request, ChatRequest | CompletionRequest):
-        return request
-    if isinstance(request, dict):
-        return ChatRequest.from_openai(request)
-    raise TypeError("request must be a ChatRequest or an OpenAI-style dict (or a CompletionRequest), "
-                    f"not {type(request).__name__}")
-
-
-def request_cost(request: ChatRequest | CompletionRequest) -> int:
-    """What preparing ``request`` costs, in characters (:func:`.lanes.text_cost`):
-    its messages, tools and schema, or its raw prompt."""
-    if isinstance(request, CompletionRequest):
-        return text_cost(request.prompt) + text_cost(request.suffix or "")
-    return text_cost(request.messages) + text_cost(request.tools or ()) + text_cost(request.response_format or {})
-
-
-def _embedding_items(inputs: object) -> list[str | list[int]]:
-    """``Engine.embed``'s ``inputs`` as a list of texts and token-id lists."""
-    if isinstance(inputs, str):
-        return [inputs]
-    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
-        raise RequestError("input must be a string, a list of strings, a list of token ids "
-                           "or a list of token-id lists", param="input")
-    if not inputs:
-        raise RequestError("input must not be empty", param="input")
-    if all(isinstance(i, int) and not isinstance(i, bool) for i in inputs):
-        return [list(inputs)]
-    items: list[str | list[int]] = []
-    for n, item in enumerate(inputs):
-        if isinstance(item, str):
-            items.append(item)
-        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray):
-            items.append(list(item))
-        else:
-            raise RequestError("each input must be a string or a list of token ids",
-                               param=f"input[{n}]")
-    return items
 
 
 @asynccontextmanager
