@@ -10,15 +10,10 @@ leaves the batch within one step, and a new one joins at the next.  Jobs are
 named by their key on the way in and out, by mlx-lm's uid inside the batch
 (see :mod:`.commands` for the id spaces).
 
-**Shared prefill.**  Jobs with the same prompt prefill it once: a later one
-parks on the job prefilling it and starts from a copy of its cache
-(:mod:`.shared_prefill` keeps who leads and who is parked).
-
-**Prompt progress.**  A job with ``progress`` gets
-:class:`~afm_core._stream.events.PromptProgress` events: when it is inserted
-(``processed`` = its cached tokens), for each prefill chunk (mlx-lm's prompt
-responses), and ``processed == total`` when its prefill ends, the step
-before its first token.
+**Admission** (:mod:`.admission`, the worker's base class): a job enters
+the batch with what the prefix cache holds of its prompt, after a disk read,
+or from another job's prefill of the same prompt; a job asking for prompt
+progress gets its events from there.
 
 **The prefix cache's tiers.**  Finished requests' caches go to the memory
 tier and, with ``cache_dir``, to the disk tier; admission asks both, and a
@@ -47,18 +42,12 @@ and the shared-prefill copies hold the same format; the disk tier's
 fingerprint includes it (``kv_format``), so entries of another setting are
 never read.
 
-**Speculative decoding.**  With ``prompt_lookup`` or a draft model the
-decode batch may verify proposed tokens instead of taking a plain step
-(:mod:`afm_core._mlx.speculative`; only while at most ``spec_max_batch``
-streams decode): a stream may then get several tokens from one step, as
-several responses of its uid, in order, each fed through its pipeline as a
-plain step's token is (stop strings, ``max_tokens`` and the end of the
-stream apply per token).  The per-stream counts go to its profile.
+**The step** (:mod:`.stepping`, the worker's other base class): one step of
+the batch, each token through its stream's pipeline, the streams that end.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -67,7 +56,8 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
+from .._stream.events import Event, StreamFailure
+from .admission import Admission
 from .commands import (
     Cancel,
     Command,
@@ -84,26 +74,19 @@ from .commands import (
     Submit,
     Sync,
 )
-from .kv_memory import (
-    PROBE_TEXT,
-    default_prefix_budget,
-    kv_bytes_per_token,
-    param_bytes,
-    vocab_size,
-)
-from .logprobs import prompt_logprobs, token_logprobs
+from .kv_memory import PROBE_TEXT, default_prefix_budget, param_bytes
 from .prefix_tiers import PrefixTiers
 from .shared_prefill import SharedPrefill
 from .stats import WorkerStats
+from .stepping import Stepping
 
 if TYPE_CHECKING:
     import mlx.nn as nn
-    from mlx_lm.generate import GenerationBatch
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from .._mlx.disk_cache import DiskMatch, DiskPromptCache
     from .._mlx.lora import AdapterRows
-    from .._mlx.prefill import EngineBatchGenerator, PromptScores
+    from .._mlx.prefill import EngineBatchGenerator
     from .._mlx.prefix_cache import PinningPromptCache
     from .._mlx.speculative import Speculation
     from .config import EngineConfig
@@ -112,7 +95,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
-class Worker:
+class Worker(Admission, Stepping):
     """Runs in its own thread; see the module docstring."""
 
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, *, post: Callable[[Outputs], None],
@@ -426,317 +409,6 @@ class Worker:
         at a time after each decode step (``loop``)."""
         if not cmd.abandoned.is_set():
             self.embeddings.add(cmd)
-
-    def _admit(self, job: Job, outputs: Outputs) -> None:
-        """Insert ``job`` into mlx-lm's batch, or park it on the job prefilling
-        its prompt (see the module docstring)."""
-        if not job.t_admitted:  # (a parked job whose leader left comes back here)
-            job.t_admitted = time.perf_counter()
-            if job.profile is not None:
-                job.profile.admitted(job.t_admitted)
-        if job.max_tokens == 0 and job.prompt_top_logprobs is None:
-            # a completion asking for nothing: no prefill, no token
-            outputs[job.key] = Delivery(tuple(self._end(job, "length")), True)
-            return
-        if self.prefill.park(job):
-            self.by_key[job.key] = job
-            return
-        try:
-            prompt = job.prompt
-            scores = None
-            if job.prompt_top_logprobs is not None:
-                from .._mlx.prefill import PromptScores
-
-                # every position's logits are needed: no prefix cache, the whole prompt prefilled
-                scores = PromptScores(prompt, job.prompt_top_logprobs)
-            cache, rest = None, prompt
-            if self.caching and scores is None:
-                self.tiers.counts.lookups += 1
-                if self.tiers.read_disk(job):
-                    self.by_key[job.key] = job
-                    return  # admitted when its entry has been read (_disk_done)
-                cache, rest = self.tiers.fetch_memory(prompt, job.adapter)
-            job.cached_tokens = len(prompt) - len(rest)
-            if scores is None and self.caching:
-                self.tiers.count(job, "memory")
-            self._insert(job, rest, cache, scores)
-        except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
-            self._not_started(job, exc, outputs)
-            return
-        self._inserted(job)
-
-    def _not_started(self, job: Job, exc: Exception, outputs: Outputs) -> None:
-        """``job`` could not be admitted: it ends with an error; the others go on."""
-        log.exception("admitting request failed")
-        self.by_key.pop(job.key, None)
-        outputs[job.key] = Delivery((StreamFailure(f"could not start generation: {exc}"),), True)
-
-    def _disk_done(self, outputs: Outputs) -> None:
-        """Insert the jobs whose disk read finished (see :meth:`.PrefixTiers.poll_disk`)."""
-        for job, match, cache in self.tiers.poll_disk():
-            self._admit_read(job, match, cache, outputs)
-
-    def _admit_read(self, job: Job, match: DiskMatch, cache: list[Any] | None, outputs: Outputs) -> None:
-        """Insert ``job``, which waited for ``match``'s entry: ``cache`` is its
-        copy of it (None: the file failed, the memory tier serves)."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        prompt = job.prompt
-        try:
-            if cache is None:
-                cache, rest = self.tiers.fetch_memory(prompt, job.adapter)
-                tier = "memory"
-            else:
-                keep = min(match.served, len(prompt) - 1)  # one prompt token is always computed
-                trim_prompt_cache(cache, len(match.entry.tokens) - keep)
-                rest = prompt[keep:]
-                tier = "disk"
-            job.cached_tokens = len(prompt) - len(rest)
-            self.tiers.count(job, tier)
-            self._insert(job, rest, cache, None)
-        except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
-            self._not_started(job, exc, outputs)
-            return
-        self._inserted(job)
-
-    def _insert(self, job: Job, rest: list[int], cache: list[Any] | None, scores: PromptScores | None) -> None:
-        """Insert ``job`` into mlx-lm's batch: ``rest`` is its prompt after
-        ``cache`` (which holds the first ``job.cached_tokens`` tokens)."""
-        from .sampling import GuardedProcessor, logits_processors
-
-        req = job.request
-        prompt = job.prompt
-        procs = [GuardedProcessor(p) for p in logits_processors(req, vocab_size(self.model))]
-        if job.grammar is not None:
-            procs.append(GuardedProcessor(job.grammar))
-        job.guards = procs
-        inserted = self.gen.insert_one(
-            rest,
-            # a prompt scored for no token still runs one step: it ends there
-            max_tokens=max(job.max_tokens, 1),
-            cache=cache,
-            all_tokens=prompt[: job.cached_tokens],
-            sampler=self.samplers.get(req, vocab_size(self.model)),
-            logits_processors=procs,
-            stop_at_eos=job.stop_at_eos,
-            scores=scores,
-            adapter=job.adapter,
-        )
-        job.scores = scores
-        job.uid = uid = MlxUid(inserted)
-        self.by_uid[uid] = job
-        if req.logprobs:
-            self.logprob_uids.add(uid)
-        self.by_key[job.key] = job
-        self.stats.prompt_tokens += len(prompt)
-        self.stats.computed_prompt_tokens += len(rest)
-        self.stats.cached_tokens += job.cached_tokens
-
-    def _inserted(self, job: Job) -> None:
-        """``job`` is in mlx-lm's batch: later jobs with its prompt may park on
-        it; its first progress event."""
-        self.prefill.lead(job)
-        if job.progress:
-            self._progress(job, job.cached_tokens)
-
-    def _start_followers(self, outputs: Outputs) -> None:
-        """Insert the jobs parked on the leaders whose prefill just ended, each
-        with a copy of its leader's cache (see :mod:`.shared_prefill`)."""
-        prefilled = list(self.gen.prefilled.items())
-        self.gen.prefilled.clear()
-        for uid, row in prefilled:
-            leader = self.by_uid.get(MlxUid(uid))
-            if leader is None:
-                continue
-            followers = self.prefill.followers(leader)
-            for n, job in enumerate(followers):
-                cache = row if n == len(followers) - 1 else copy.deepcopy(row)
-                job.cached_tokens = len(job.prompt) - 1
-                try:
-                    self._insert(job, job.prompt[-1:], cache, None)
-                except Exception as exc:  # noqa: BLE001 - fail this request only (logged in _not_started)
-                    self._not_started(job, exc, outputs)
-                    continue
-                self.stats.shared_prefills += 1
-                self._inserted(job)
-
-    def _readmit(self, outputs: Outputs) -> None:
-        """Admit the parked jobs whose leader left before its prefill ended:
-        the first one prefills, the others park on it."""
-        while (job := self.prefill.orphan()) is not None:
-            self._admit(job, outputs)
-
-    def _progress(self, job: Job, processed: int) -> None:
-        elapsed = (time.perf_counter() - job.t_admitted) * 1000.0
-        event = PromptProgress(processed, len(job.prompt), job.cached_tokens, round(elapsed, 3))
-        self.early.setdefault(job.key, []).append(event)
-
-    def _flush_early(self, outputs: Outputs) -> None:
-        """Put the progress events ahead of each stream's other events of this iteration."""
-        for key, events in self.early.items():
-            held = outputs.get(key)
-            if held is not None:
-                outputs[key] = held._replace(events=(*events, *held.events))
-            elif key in self.by_key:
-                outputs[key] = Delivery(tuple(events), False)
-        self.early.clear()
-
-    def _step(self, outputs: Outputs) -> None:
-        gen = self.gen
-        try:
-            prompt_responses, responses = gen.next()
-        except Exception as exc:  # the batch is unusable: fail it, keep serving
-            log.exception("engine step failed")
-            for stale in list(self.by_key.values()):
-                self._remove(stale)
-                outputs[stale.key] = Delivery((StreamFailure(f"generation failed: {exc}"),), True)
-            self._reset_generator()
-            return
-        self.stats.steps += 1
-        if gen.prefilled:
-            self._start_followers(outputs)
-        for p in prompt_responses:
-            prefilling = self.by_uid.get(p.uid)
-            if prefilling is None:
-                continue
-            if p.end_of_prompt:
-                self.prefill.ended(prefilling)
-            if prefilling.progress:
-                done = len(prefilling.prompt) if p.end_of_prompt else prefilling.cached_tokens + p.progress[0]
-                self._progress(prefilling, done)
-        now = time.perf_counter()
-        # a verify step of speculative decoding answers several tokens of a row
-        batch_size = len({r.uid for r in responses}) if self.gen.speculation is not None else len(responses)
-        active = self.mx.get_active_memory() if any(j.profile for j in self.by_key.values()) else 0
-        pending: dict[JobKey, list[Event]] = {}
-        for r in responses:
-            job = self.by_uid.get(r.uid)
-            if job is None:
-                continue
-            events = pending.setdefault(job.key, [])
-            failed = next((g.error for g in job.guards if g.error is not None), None)
-            if failed is not None:
-                self._remove(job)
-                from .sampling import guard_failure  # (a grammar's failure is the client's)
-
-                events.append(guard_failure(failed))
-                outputs[job.key] = Delivery(tuple(events), True)
-                continue
-            if job.scores is not None and job.scores.error is not None:
-                self._remove(job)
-                events.append(StreamFailure(f"cannot score the prompt: {job.scores.error}",
-                                            type="invalid_request_error", code="unsupported"))
-                outputs[job.key] = Delivery(tuple(events), True)
-                continue
-            try:
-                self._advance(job, r, events, outputs, now, batch_size, active)
-            except Exception as exc:  # one stream's fault ends only that stream
-                log.exception("stream processing failed")
-                if job.uid is not None and job.uid in self.by_uid:
-                    self._remove(job)
-                events.append(StreamFailure(f"stream processing failed: {exc}"))
-                outputs[job.key] = Delivery(tuple(events), True)
-        for key, events in pending.items():
-            if key not in outputs and events:
-                outputs[key] = Delivery(tuple(events), False)
-        if self.scored:
-            for key, scored in self.scored.items():
-                held = outputs.get(key)
-                outputs[key] = held._replace(prompt_logprobs=scored) if held is not None \
-                    else Delivery((), False, scored)
-            self.scored.clear()
-
-    def _advance(self, job: Job, r: GenerationBatch.Response, events: list[Event], outputs: Outputs, now: float,
-                 batch_size: int, active: int) -> None:
-        """Feed one generated token of ``job`` through its pipeline."""
-        gen = self.gen
-        if job.scores is not None:  # its prefill is over: the prompt is scored
-            self.scored[job.key] = prompt_logprobs(self.tokenizer, job.prompt, job.scores)
-            job.scores = None
-        if job.max_tokens == 0:
-            # admitted to score its prompt only: the token it had to sample is not its own
-            if r.finish_reason is None:
-                gen.remove([r.uid])
-            self._forget(job)
-            events.extend(self._end(job, "length"))
-            outputs[job.key] = Delivery(tuple(events), True)
-            return
-        job.completion_tokens += 1
-        self.stats.generation_tokens += 1
-        reason = r.finish_reason
-        stopped = False
-        if not (reason == "stop" and r.token in self.eos):
-            stopped = job.pipeline.feed_token(r.token, events)
-            if job.request.logprobs:
-                events.append(token_logprobs(self.tokenizer, r.token, r.logprobs, job.request.top_logprobs))
-        if job.profile is not None:
-            job.profile.step(now, job.completion_tokens, batch_size, active)
-        if stopped and reason is None:
-            reason = "stop"
-            gen.remove([r.uid])
-            self._forget(job)
-        elif reason is not None:
-            self._forget(job)
-            if self.caching and r.prompt_cache is not None and r.all_tokens is not None:
-                self._save_cache(r.all_tokens, r.prompt_cache, job.adapter, job.breakpoints)
-        if reason is not None:
-            if reason == "stop" and job.pipeline.saw_tool_call:
-                reason = "tool_calls"
-            events.extend(self._end(job, reason))
-            outputs[job.key] = Delivery(tuple(events), True)
-
-    def _update_stats(self) -> None:
-        s, seen = self.stats, self.gen.occupancy()
-        s.running = seen.decoding
-        s.prefilling = seen.prefilling
-        s.queued = seen.waiting
-        s.parked = self.prefill.parked
-        spec = self.gen.speculation
-        if spec is not None:
-            s.spec_steps, s.spec_proposed, s.spec_accepted = spec.steps, spec.proposed, spec.accepted
-        c = self.tiers.counts
-        s.prefix_cache_lookups, s.prefix_cache_hits, s.prefix_cache_bytes = c.lookups, c.hits, c.memory_bytes
-        s.prefix_cache_memory_hits, s.prefix_cache_disk_hits = c.memory_hits, c.disk_hits
-        s.prefix_cache_disk_misses = c.disk_misses
-        if self.tiers.disk is not None:
-            d = self.tiers.disk.stats
-            s.prefix_cache_disk_bytes, s.prefix_cache_disk_entries = d.bytes, d.entries
-            s.prefix_cache_disk_writes, s.prefix_cache_disk_written_bytes = d.writes, d.written_bytes
-            s.prefix_cache_disk_read_bytes, s.prefix_cache_disk_evictions = d.read_bytes, d.evictions
-            s.prefix_cache_disk_corrupt, s.prefix_cache_disk_dropped_writes = d.corrupt, d.dropped_writes
-
-    def _end(self, job: Job, reason: str) -> list[Event]:
-        events: list[Event] = []
-        try:
-            job.pipeline.finish(events)
-        except Exception as exc:  # noqa: BLE001
-            events.append(StreamFailure(f"stream processing failed: {exc}"))
-            return events
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        events.append(Finish(reason))
-        written = 0
-        if job.breakpoints and self.caching:
-            written = max(0, max(n for n, _ in job.breakpoints) - job.cached_tokens)
-        usage = Usage(len(job.prompt), job.completion_tokens, job.cached_tokens, written)
-        events.append(usage)
-        if job.profile is not None:
-            mx = self.mx
-            per_token = kv_bytes_per_token(self.model, self.config.kv_bits, self.config.kv_group_size, half=bool(self.kv_half))
-            kv = per_token * (len(job.prompt) + job.completion_tokens)
-            payload = job.profile.payload(
-                prompt_tokens=len(job.prompt),
-                cached_tokens=job.cached_tokens,
-                completion_tokens=job.completion_tokens,
-                weights_bytes=self.weights_bytes,
-                kv_bytes=kv,
-                active_bytes=mx.get_active_memory(),
-                peak_bytes=mx.get_peak_memory(),
-                device=self.device,
-                blas=self.blas,
-                kv_bits=self.config.kv_bits,
-            )
-            events.append(Profile(payload, job.profile.extended))
-        return events
 
     def _keep_prefix(self, job: Job) -> None:
         """``job`` leaves before it ends (cancelled, or its client went away):
