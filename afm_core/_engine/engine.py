@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -38,7 +37,6 @@ import trio
 
 from .._errors import (
     ContextLengthError,
-    DuplicateRequestError,
     EngineBusyError,
     EngineClosedError,
     GenerationError,
@@ -55,7 +53,6 @@ from ..api.completions_request import CompletionRequest
 from .boot import Boot
 from .chat_stream import ChatStream, Embeddings
 from .commands import (
-    Embed,
     Job,
     JobKey,
     Outputs,
@@ -65,9 +62,9 @@ from .commands import (
 )
 from .config import WARMUP_WIDTH, EngineConfig
 from .genthread import Run, run_on_generation_thread
-from .handoff import Handoff
+from .handoff import Handoff, embedding_answer
+from .inflight import InFlight
 from .lanes import Preparation, Ticket, text_cost
-from .mailbox import Mailbox
 from .startup import Started, StartFailed
 from .stats import WORKER_COUNTERS, EngineStatistics, WorkerStats
 from .texts import (
@@ -95,13 +92,10 @@ class Engine:
                  **overrides: Any):
         self.config = replace(config or EngineConfig(), **overrides)
         self._model_spec = model
-        self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
+        self._requests = InFlight()  # see .commands for the id spaces
         self._embedding_calls = 0  # embed() calls running now (they count toward max_waiting)
         self._embedding_requests = 0  # embed() calls answered
         self._embedding_tokens = 0  # their input tokens
-        self._groups: dict[RequestId, set[RequestId]] = {}  # group id -> its other members in flight
-        self._by_key: dict[JobKey, RequestRecord] = {}
-        self._serial = 0  # the last JobKey given
         self._requests_total = 0
         self._ttft_sum = 0.0
         self._ttft_count = 0
@@ -246,17 +240,10 @@ class Engine:
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
         request_id = request_id or f"req_{secrets.token_hex(12)}"
-        if request_id in self._inflight:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        self._requests.refuse_duplicate(request_id)
         self._check_room()
-        mailbox = Mailbox()
-        self._serial += 1
-        record = RequestRecord(request_id, JobKey(self._serial), mailbox, time.perf_counter())
-        self._inflight[request_id] = record
-        self._by_key[record.key] = record
-        if group is not None and group != request_id:
-            record.group = group
-            self._groups.setdefault(group, set()).add(request_id)
+        record = self._requests.open(request_id, group)
+        mailbox = record.mailbox
         try:
             job, downgraded = await self._prep.run(self._prepare, request, record, profile, progress,
                                                    cost=request_cost(request))
@@ -278,14 +265,7 @@ class Engine:
             if record.on_thread and self._worker is not None:
                 record.state = RequestState.DROPPED
                 self._worker.drop(record.key)
-            self._inflight.pop(request_id, None)
-            self._by_key.pop(record.key, None)
-            if record.group is not None:
-                members = self._groups.get(record.group)
-                if members is not None:
-                    members.discard(request_id)
-                    if not members:
-                        del self._groups[record.group]
+            self._requests.close(record)
             mailbox.close()
 
     async def complete(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
@@ -421,42 +401,15 @@ class Engine:
             return embedding_token_lists(items, tokenizer, info, limit, ticket)
 
         token_lists = await self._prep.run(tokenize, cost=text_cost(items))
-        result = await self._embed_on_thread(worker, token_lists, pooling)
+        if self._closed or worker.fatal is not None:
+            raise EngineClosedError("the engine stopped before the embeddings were computed")
+        result = await embedding_answer(worker, token_lists, pooling, self._embed_waits)
         if isinstance(result, NoHiddenStates):
             raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
         if isinstance(result, BaseException):
             raise GenerationError(f"computing the embeddings failed: {result}",
                                   code="embedding_failed") from result
         return Embeddings(result, tuple(len(t) for t in token_lists), pooling)
-
-    async def _embed_on_thread(self, worker: Worker, token_lists: list[tuple[int, ...]],
-                               pooling: str) -> list[list[float]] | BaseException:
-        """One :class:`Embed` command's answer; cancellable (the thread skips
-        the command if it has not started it)."""
-        if self._closed or worker.fatal is not None:
-            raise EngineClosedError("the engine stopped before the embeddings were computed")
-        trio_token = trio.lowlevel.current_trio_token()
-        arrived = trio.Event()
-        box: list[list[list[float]] | BaseException] = []
-
-        def done(result: list[list[float]] | BaseException) -> None:  # on the generation thread
-            box.append(result)
-            try:
-                trio_token.run_sync_soon(arrived.set)
-            except trio.RunFinishedError:
-                pass
-
-        abandoned = threading.Event()
-        self._embed_waits.add(arrived)
-        try:
-            worker.embed(Embed(tuple(token_lists), pooling, done, abandoned))
-            await arrived.wait()
-        finally:
-            abandoned.set()
-            self._embed_waits.discard(arrived)
-        if not box:
-            raise EngineClosedError("the engine stopped before the embeddings were computed")
-        return box[0]
 
     def _running_tokenizer(self) -> TokenizerWrapper:
         if self._closed or self._tokenizer is None:
@@ -474,24 +427,24 @@ class Engine:
     def cancel(self, request_id: RequestId) -> bool:
         """End an in-flight request with ``finish_reason: "cancelled"``, and
         every request opened with ``group=request_id``; False if none was."""
-        cancelled = self._cancel_one(request_id)
-        for member in sorted(self._groups.get(request_id, ())):
-            cancelled = self._cancel_one(member) or cancelled
-        return cancelled
-
-    def _cancel_one(self, request_id: RequestId) -> bool:
-        record = self._inflight.get(request_id)
-        if record is None:
-            return False
-        if record.state is RequestState.PREPARING:
-            record.state = RequestState.CANCELLED  # ends once preparation returns
-        elif record.state is RequestState.SUBMITTED:
-            record.state = RequestState.CANCELLING
+        def cancel_job(key: JobKey) -> None:
             if self._worker is not None:
-                self._worker.cancel(record.key)
-        else:
-            return False  # already cancelled, finished or dropped
-        return True
+                self._worker.cancel(key)
+
+        return self._requests.cancel(request_id, cancel_job)
+
+    # the registry's tables, by the names the engine had
+    @property
+    def _inflight(self) -> dict[RequestId, RequestRecord]:
+        return self._requests.by_id
+
+    @property
+    def _by_key(self) -> dict[JobKey, RequestRecord]:
+        return self._requests.by_key
+
+    @property
+    def _groups(self) -> dict[RequestId, set[RequestId]]:
+        return self._requests.groups
 
     def statistics(self) -> EngineStatistics:
         w = self._worker

@@ -1,4 +1,5 @@
-"""Each engine step's outputs, from the generation thread to Trio.
+"""What the generation thread hands back to Trio: each engine step's outputs
+(:class:`Handoff`), and an embedding call's answer (:func:`embedding_answer`).
 
 The thread calls :meth:`Handoff.post` once per step; it appends the outputs to
 a lock-guarded pending list and, unless one is already scheduled, schedules
@@ -11,10 +12,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from .commands import Outputs
+from .._errors import EngineClosedError
+from .commands import Embed, Outputs
+
+if TYPE_CHECKING:
+    from .worker import Worker
 
 
 class Handoff:
@@ -48,3 +54,34 @@ class Handoff:
             self._scheduled = False
         for outputs in batch:
             self._dispatch(outputs)
+
+
+async def embedding_answer(worker: Worker, token_lists: list[tuple[int, ...]], pooling: str,
+                           waits: set[trio.Event]) -> list[list[float]] | BaseException:
+    """Send one :class:`~.commands.Embed` command and wait for its answer (the
+    vectors, or what computing them raised), which the generation thread hands
+    back through ``done``; cancellable (the thread skips a command it has not
+    started).  ``waits`` holds the waiting calls' events, which the engine sets
+    when it stops: :class:`EngineClosedError` then."""
+    trio_token = trio.lowlevel.current_trio_token()
+    arrived = trio.Event()
+    box: list[list[list[float]] | BaseException] = []
+
+    def done(result: list[list[float]] | BaseException) -> None:  # on the generation thread
+        box.append(result)
+        try:
+            trio_token.run_sync_soon(arrived.set)
+        except trio.RunFinishedError:
+            pass
+
+    abandoned = threading.Event()
+    waits.add(arrived)
+    try:
+        worker.embed(Embed(tuple(token_lists), pooling, done, abandoned))
+        await arrived.wait()
+    finally:
+        abandoned.set()
+        waits.discard(arrived)
+    if not box:
+        raise EngineClosedError("the engine stopped before the embeddings were computed")
+    return box[0]

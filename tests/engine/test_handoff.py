@@ -1,4 +1,4 @@
-"""The generation thread's hand-off to Trio (``afm_core._engine.handoff``) and
+"""The generation thread's hand-offs to Trio (``afm_core._engine.handoff``) and
 its body (``afm_core._engine.boot``), on their own: real threads, a real Trio
 run, the random tiny model from ``afm_core.testing``."""
 
@@ -8,14 +8,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
-from afm_core import EngineConfig
+from afm_core import EngineClosedError, EngineConfig
 from afm_core._engine.boot import Boot
 from afm_core._engine.commands import Delivery, JobKey, Outputs
 from afm_core._engine.genthread import run_on_generation_thread
-from afm_core._engine.handoff import Handoff
+from afm_core._engine.handoff import Handoff, embedding_answer
 from afm_core._engine.startup import Started, StartFailed
 
 
@@ -108,3 +109,45 @@ async def test_boot_reports_what_stopped_it(tmp_path: Path, random_model_dir: Pa
     assert isinstance(boot.startup, StartFailed)
     await trio.to_thread.run_sync(thread.join)
 
+
+
+class _Thread:
+    """A stand-in generation thread for ``embedding_answer``: answers each
+    Embed command from another thread, or never."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer = answer
+        self.cmds: list[Any] = []
+
+    def embed(self, cmd: Any) -> None:
+        self.cmds.append(cmd)
+        if self.answer:
+            threading.Thread(target=cmd.done, args=([[1.0, 0.0]],)).start()
+
+
+async def test_an_embedding_s_answer_comes_back_from_the_thread() -> None:
+    waits: set[trio.Event] = set()
+    thread = _Thread(answer=True)
+    with trio.fail_after(10):
+        got = await embedding_answer(thread, [(1, 2)], "mean", waits)  # type: ignore[arg-type]
+    assert got == [[1.0, 0.0]] and not waits
+    [cmd] = thread.cmds
+    assert cmd.token_lists == ((1, 2),) and cmd.pooling == "mean" and cmd.abandoned.is_set()
+
+
+async def test_a_caller_that_leaves_abandons_its_embedding_and_a_stop_ends_the_wait() -> None:
+    waits: set[trio.Event] = set()
+    thread = _Thread(answer=False)
+    with trio.move_on_after(0.05):
+        await embedding_answer(thread, [(1,)], "last", waits)  # type: ignore[arg-type]
+    assert thread.cmds[0].abandoned.is_set() and not waits  # the thread skips it
+
+    async def stop_soon() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        for event in list(waits):
+            event.set()  # what Engine.run does when it stops
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_soon)
+        with pytest.raises(EngineClosedError):
+            await embedding_answer(thread, [(1,)], "last", waits)  # type: ignore[arg-type]
