@@ -1,6 +1,6 @@
-"""What one engine's generation thread runs: load the model, build the
-worker, report to Trio, run the worker's loop, and undo the model's rewrites
-when it ends.
+"""Starting an engine: what its generation thread runs (load the model, build
+the worker, report to Trio, run the worker's loop, undo the model's rewrites
+when it ends), and the warm-up the Trio side runs once it started.
 
 :class:`Boot` is started on a generation thread (:mod:`.genthread`) by
 ``Engine.run``, which waits for :attr:`Boot.ready` and then reads
@@ -9,9 +9,11 @@ when it ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -20,6 +22,12 @@ from .._stream.detok import DecoderTables
 from .commands import Outputs
 from .config import EngineConfig
 from .startup import Started, StartFailed, StartUp
+
+if TYPE_CHECKING:
+    from ..api.chat_request import ChatRequest
+    from .worker import Worker
+
+log = logging.getLogger("afm.engine")
 
 
 class Boot:
@@ -111,3 +119,29 @@ def load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
     if fuse:
         fuse_for_cpu(draft)
     return draft
+
+
+async def warm_up(complete: Callable[[ChatRequest, str], Awaitable[None]], worker: Worker, width: int) -> None:
+    """Requests generating 2 to ``width + 1`` tokens together (``complete``)
+    decode at every width from ``width`` down to 1; then the worker's counters
+    and prefix cache are reset.  A model that cannot chat skips it and still serves."""
+    from ..api.chat_request import ChatRequest
+
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        req = ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hello"}],
+                                       "max_tokens": i + 2, "temperature": 0})
+        await complete(req, f"afm-warmup-{i}")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(width):
+                nursery.start_soon(one, i)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot chat still serves
+        log.warning("warm-up skipped: %s", exc)
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    worker.reset(lambda: token.run_sync_soon(done.set))
+    await done.wait()
+    log.info("warmed up in %.2fs (decode widths 1-%d)", time.perf_counter() - t0, width)

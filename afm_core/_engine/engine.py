@@ -50,7 +50,7 @@ from .._stream.detok import DecoderTables
 from .._stream.events import Finish, Profile, PromptProgress, Usage
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
-from .boot import Boot
+from .boot import Boot, warm_up
 from .chat_stream import ChatStream, Embeddings
 from .commands import (
     Job,
@@ -472,31 +472,15 @@ class Engine:
     # -- internals -------------------------------------------------------------
 
     async def _warm_up(self) -> None:
-        """See :attr:`EngineConfig.warmup`: requests generating 2 to
-        ``width + 1`` tokens together decode at every width from ``width``
-        down to 1; then every counter starts from zero."""
-        width = min(WARMUP_WIDTH, self.config.max_batch)
-        t0 = time.perf_counter()
-
-        async def one(i: int) -> None:
-            req = ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hello"}],
-                                           "max_tokens": i + 2, "temperature": 0})
-            await self.complete(req, request_id=f"afm-warmup-{i}")
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for i in range(width):
-                    nursery.start_soon(one, i)
-        except Exception as exc:  # noqa: BLE001 - a model that cannot chat still serves
-            log.warning("warm-up skipped: %s", exc)
+        """See :attr:`EngineConfig.warmup` (:func:`.boot.warm_up`); then every counter starts from zero."""
         assert self._worker is not None
-        done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-        self._worker.reset(lambda: token.run_sync_soon(done.set))
-        await done.wait()
+
+        async def complete(request: ChatRequest, request_id: RequestId) -> None:
+            await self.complete(request, request_id=request_id)
+
+        await warm_up(complete, self._worker, min(WARMUP_WIDTH, self.config.max_batch))
         self._requests_total = 0
         self._ttft_sum, self._ttft_count = 0.0, 0
-        log.info("warmed up in %.2fs (decode widths 1-%d)", time.perf_counter() - t0, width)
 
     def _dispatch(self, outputs: Outputs) -> None:
         """Runs in Trio: deliver one engine step's events."""
