@@ -59,7 +59,7 @@ class Admission:
 
     def _admit(self, job: Job, outputs: Outputs) -> None:
         """Insert ``job`` into mlx-lm's batch, or park it on the job prefilling
-        its prompt (see the module docstring)."""
+        its prompt (see :mod:`.shared_prefill`)."""
         if not job.t_admitted:  # (a parked job whose leader left comes back here)
             job.t_admitted = time.perf_counter()
             if job.profile is not None:

@@ -41,7 +41,7 @@ class DesyncError(DistributedError):
 
 class Follower:
     """Another rank's loop: apply rank 0's frames to a copy of its batch (see
-    the module docstring).  :meth:`run` on the thread that owns MLX here."""
+    :mod:`.distributed`).  :meth:`run` on the thread that owns MLX here."""
 
     def __init__(self, model: Any, *, group: Any, distributed: DistributedConfig, config_digest: str = ""):
         self.model = model

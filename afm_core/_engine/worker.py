@@ -95,6 +95,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
+
 class Worker(Admission, Stepping):
     """Runs in its own thread; see the module docstring."""
 
