@@ -47,7 +47,7 @@ from .._errors import (
 from .._mlx.tokenizer import encode
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Finish, Profile, PromptProgress, Usage
+from .._stream.events import Finish, Profile, Usage
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
 from .boot import Boot, warm_up
@@ -55,7 +55,6 @@ from .chat_stream import ChatStream, Embeddings
 from .commands import (
     Job,
     JobKey,
-    Outputs,
     RequestId,
     RequestRecord,
     RequestState,
@@ -97,8 +96,6 @@ class Engine:
         self._embedding_requests = 0  # embed() calls answered
         self._embedding_tokens = 0  # their input tokens
         self._requests_total = 0
-        self._ttft_sum = 0.0
-        self._ttft_count = 0
         self._worker: Worker | None = None
         self._closed = True
         self._prep = Preparation(self.config.template_threads, timeout=self.config.prepare_timeout)
@@ -152,7 +149,7 @@ class Engine:
 
         path = await trio.to_thread.run_sync(resolve_model, self._model_spec)
         token = trio.lowlevel.current_trio_token()
-        boot = Boot(path, self.config, post=Handoff(token, self._dispatch).post, token=token)
+        boot = Boot(path, self.config, post=Handoff(token, self._requests.dispatch).post, token=token)
         thread = run_on_generation_thread(boot.run)
         started = await self._started(boot, thread)
         self._worker = started.worker
@@ -454,8 +451,8 @@ class Engine:
             waiting=max(len(self._inflight) - ws.running, 0),
             requests_total=self._requests_total,
             requests_active=len(self._inflight),
-            ttft_seconds_sum=self._ttft_sum,
-            ttft_count=self._ttft_count,
+            ttft_seconds_sum=self._requests.ttft_sum,
+            ttft_count=self._requests.ttft_count,
             finished=dict(ws.finished),
             blas=w.blas if w is not None else "",
             embedding_requests=self._embedding_requests,
@@ -480,26 +477,7 @@ class Engine:
 
         await warm_up(complete, self._worker, min(WARMUP_WIDTH, self.config.max_batch))
         self._requests_total = 0
-        self._ttft_sum, self._ttft_count = 0.0, 0
-
-    def _dispatch(self, outputs: Outputs) -> None:
-        """Runs in Trio: deliver one engine step's events."""
-        now = time.perf_counter()
-        for key, (events, finished, scored) in outputs.items():
-            record = self._by_key.get(key)
-            if record is None:
-                continue
-            if scored is not None:
-                record.prompt_logprobs = scored  # before the reader can see the batch
-            if record.t_first is None and (not events or any(type(e) is not PromptProgress for e in events)):
-                # prompt progress comes before the first token: not what time to first token measures
-                record.t_first = now
-                self._ttft_sum += now - record.t_submit
-                self._ttft_count += 1
-            record.mailbox.put(events)
-            if finished:
-                record.state = RequestState.FINISHED
-                record.mailbox.close()  # the reader drains what is there, then sees the end
+        self._requests.ttft_sum, self._requests.ttft_count = 0.0, 0
 
     def _prepare(self, ticket: Ticket, request: ChatRequest | CompletionRequest, record: RequestRecord,
                  profile: str | None, progress: bool = False) -> tuple[Job, bool]:

@@ -1,7 +1,8 @@
 """The Trio side's requests in flight: each one's :class:`~.commands.RequestRecord`
 by the client's request id and by the engine's job key (see :mod:`.commands`
-for the id spaces), the groups whose members one cancel ends together, and
-the serial numbers that become job keys.  Trio only; no MLX."""
+for the id spaces), the groups whose members one cancel ends together, the
+serial numbers that become job keys, and the delivery of each engine step's
+events to their streams (with the time to first token).  Trio only; no MLX."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 from collections.abc import Callable
 
 from .._errors import DuplicateRequestError
-from .commands import JobKey, RequestId, RequestRecord, RequestState
+from .._stream.events import PromptProgress
+from .commands import JobKey, Outputs, RequestId, RequestRecord, RequestState
 from .mailbox import Mailbox
 
 
@@ -21,6 +23,8 @@ class InFlight:
         self.by_key: dict[JobKey, RequestRecord] = {}
         self.groups: dict[RequestId, set[RequestId]] = {}  # group id -> its other members in flight
         self._serial = 0  # the last JobKey given (never reused within an engine)
+        self.ttft_sum = 0.0  # seconds from submission to the first events, summed
+        self.ttft_count = 0
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -53,6 +57,26 @@ class InFlight:
                 members.discard(record.request_id)
                 if not members:
                     del self.groups[record.group]
+
+    def dispatch(self, outputs: Outputs) -> None:
+        """Deliver one engine step's events to their streams' mailboxes (in
+        Trio; see :mod:`.handoff`), timing each request's first events."""
+        now = time.perf_counter()
+        for key, (events, finished, scored) in outputs.items():
+            record = self.by_key.get(key)
+            if record is None:
+                continue
+            if scored is not None:
+                record.prompt_logprobs = scored  # before the reader can see the batch
+            if record.t_first is None and (not events or any(type(e) is not PromptProgress for e in events)):
+                # prompt progress comes before the first token: not what time to first token measures
+                record.t_first = now
+                self.ttft_sum += now - record.t_submit
+                self.ttft_count += 1
+            record.mailbox.put(events)
+            if finished:
+                record.state = RequestState.FINISHED
+                record.mailbox.close()  # the reader drains what is there, then sees the end
 
     def cancel(self, request_id: RequestId, cancel_job: Callable[[JobKey], None]) -> bool:
         """Cancel ``request_id`` and every member of the group it names; False

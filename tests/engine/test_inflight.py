@@ -50,3 +50,22 @@ def test_cancel_ends_the_group_by_each_member_s_state() -> None:
     assert sent == [leader.key, submitted.key] and finished.state is RequestState.FINISHED
     assert not reg.cancel("g", sent.append)  # nothing left to cancel
     assert not reg.cancel("nobody", sent.append)
+
+
+async def test_dispatch_delivers_a_step_and_times_the_first_token() -> None:
+    from afm_core import ContentDelta, Finish, PromptProgress
+    from afm_core._engine.commands import Delivery, PromptLogprobs
+
+    reg = InFlight()
+    a, b = reg.open("a"), reg.open("b")
+    scored = PromptLogprobs(ids=(1, 2), tokens=("x", "y"), logprobs=(None, -0.5), top_logprobs=((), ()))
+    reg.dispatch({a.key: Delivery((PromptProgress(1, 4, 0, 0.1),), False)})
+    assert a.t_first is None and reg.ttft_count == 0  # progress is not a first token
+    reg.dispatch({a.key: Delivery((ContentDelta("hi"),), False, scored),
+                  b.key: Delivery((ContentDelta("yo"), Finish("stop")), True),
+                  JobKey(99): Delivery((ContentDelta("late"),), True)})  # an ended request's: dropped
+    assert a.t_first is not None and b.t_first is not None and reg.ttft_count == 2 and reg.ttft_sum >= 0
+    assert a.prompt_logprobs is scored
+    assert b.state is RequestState.FINISHED and b.mailbox.closed and not a.mailbox.closed
+    assert await a.mailbox.take() == (PromptProgress(1, 4, 0, 0.1), ContentDelta("hi"))
+    assert await b.mailbox.take() == (ContentDelta("yo"), Finish("stop"))
