@@ -11,18 +11,18 @@ from ._mlx import open_files as _open_files
 _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 _open_files.import_mlx_lm()  # before anything else imports mlx-lm: it would lower the open-file limit
 
+from ._engine.chat_stream import ChatStream as ChatStream
+from ._engine.chat_stream import Embeddings as Embeddings
 from ._engine.commands import PromptLogprobs as PromptLogprobs
 from ._engine.config import DistributedConfig as DistributedConfig
 from ._engine.config import EngineConfig as EngineConfig
 from ._engine.distributed import init_distributed as init_distributed
 from ._engine.distributed import run_follower as run_follower
-from ._engine.engine import ChatStream as ChatStream
-from ._engine.engine import Embeddings as Embeddings
 from ._engine.engine import Engine as Engine
-from ._engine.engine import EngineStatistics as EngineStatistics
 from ._engine.engine import open_engine as open_engine
 from ._engine.runtime import RuntimeInfo as RuntimeInfo
 from ._engine.runtime import runtime_info as runtime_info
+from ._engine.stats import EngineStatistics as EngineStatistics
 from ._errors import AdapterNotFoundError as AdapterNotFoundError
 from ._errors import AFMError as AFMError
 from ._errors import ContextLengthError as ContextLengthError

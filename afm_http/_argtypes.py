@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
-__all__ = ["byte_count", "positive_seconds"]
+__all__ = ["byte_count", "int_at_least", "port", "positive_seconds", "seconds_or_zero"]
 
 
 def positive_seconds(text: str) -> float:
@@ -35,3 +36,36 @@ def byte_count(text: str) -> int:
     if not 1 <= value < float("inf"):
         raise argparse.ArgumentTypeError("must be at least 1 byte")
     return int(value)
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An integer at least ``lo``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}")
+        return value
+
+    return parse
+
+
+def seconds_or_zero(text: str) -> float:
+    """A finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds >= 0")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port (0: any free one)."""
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be <= 65535")
+    return value

@@ -11,65 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from afm_core import EngineStatistics
+
 from ._residency import Residency
 
 __all__ = ["CONTENT_TYPE", "escape_label", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# (name, kind, help, EngineStatistics attribute)
-_SIMPLE = (
-    ("afm_requests_running", "gauge", "Streams in the decode batch.", "running"),
-    ("afm_requests_waiting", "gauge", "Admitted requests not yet decoding.", "waiting"),
-    ("afm_requests_active", "gauge", "Requests registered with the engine.", "requests_active"),
-    ("afm_requests_total", "counter", "Requests submitted to the engine.", "requests_total"),
-    ("afm_prompt_tokens_total", "counter", "Prompt tokens submitted.", "prompt_tokens"),
-    ("afm_generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
-    ("afm_prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.",
-     "prefix_cache_hits"),
-    ("afm_prefix_cache_lookups_total", "counter", "Prefix cache lookups.", "prefix_cache_lookups"),
-    ("afm_cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-     "cached_tokens"),
-    ("afm_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", "prefix_cache_bytes"),
-    ("afm_prefix_cache_memory_hits_total", "counter", "Prefix cache lookups the memory tier served.",
-     "prefix_cache_memory_hits"),
-    ("afm_prefix_cache_memory_misses_total", "counter", "Prefix cache lookups the memory tier did not serve.",
-     "prefix_cache_memory_misses"),
-    ("afm_prefix_cache_disk_hits_total", "counter",
-     "Prefix cache lookups the disk tier (--cache-dir) served.", "prefix_cache_disk_hits"),
-    ("afm_prefix_cache_disk_misses_total", "counter",
-     "Prefix cache lookups neither tier served, with a disk tier.", "prefix_cache_disk_misses"),
-    ("afm_prefix_cache_disk_bytes", "gauge", "Bytes of the prefix cache's disk tier files.",
-     "prefix_cache_disk_bytes"),
-    ("afm_prefix_cache_disk_entries", "gauge", "Entries in the prefix cache's disk tier.",
-     "prefix_cache_disk_entries"),
-    ("afm_prefix_cache_disk_writes_total", "counter", "Entries written to the disk tier.",
-     "prefix_cache_disk_writes"),
-    ("afm_prefix_cache_disk_written_bytes_total", "counter", "Bytes written to the disk tier.",
-     "prefix_cache_disk_written_bytes"),
-    ("afm_prefix_cache_disk_read_bytes_total", "counter", "Bytes read back from the disk tier.",
-     "prefix_cache_disk_read_bytes"),
-    ("afm_prefix_cache_disk_evictions_total", "counter",
-     "Disk tier entries deleted to stay within --cache-disk-bytes.", "prefix_cache_disk_evictions"),
-    ("afm_prefix_cache_disk_corrupt_total", "counter",
-     "Disk tier files found corrupt or truncated (deleted, never served).", "prefix_cache_disk_corrupt"),
-    ("afm_prefix_cache_disk_dropped_writes_total", "counter",
-     "Disk tier writes given up (superseded, backlog, or failed).", "prefix_cache_disk_dropped_writes"),
-    ("afm_engine_steps_total", "counter", "Engine steps run.", "steps"),
-    ("afm_preparations_abandoned_total", "counter",
-     "Preparations (templating, tokenizing) stopped because their caller left.", "preparations_abandoned"),
-    ("afm_shared_prefills_total", "counter",
-     "Requests started from another request's prefill of the same prompt.", "shared_prefills"),
-    ("afm_spec_steps_total", "counter",
-     "Speculative decoding verify steps (--prompt-lookup, --draft-model).", "spec_steps"),
-    ("afm_spec_proposed_tokens_total", "counter", "Tokens proposed to speculative verify steps.",
-     "spec_proposed"),
-    ("afm_spec_accepted_tokens_total", "counter",
-     "Proposed tokens the model accepted (acceptance rate: accepted / proposed).", "spec_accepted"),
-    ("afm_embedding_requests_total", "counter", "Embedding calls answered.", "embedding_requests"),
-    ("afm_embedding_tokens_total", "counter", "Input tokens of the embedding calls.", "embedding_tokens"),
-    ("afm_embeddings_active", "gauge", "Embedding calls running.", "embeddings_active"),
-)
+# (name, kind, help, EngineStatistics attribute): declared once, by the fields' metadata
+_SIMPLE = tuple((m.name, m.kind, m.help, attr) for attr, m in EngineStatistics.metrics())
 
 
 def escape_label(value: str) -> str:

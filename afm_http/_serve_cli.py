@@ -21,7 +21,7 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +32,7 @@ import trio
 from afm_core import EngineConfig
 
 from . import _distributed
-from ._argtypes import byte_count, positive_seconds
+from ._argtypes import byte_count, int_at_least, port, positive_seconds, seconds_or_zero
 from ._residency import FOREVER, parse_keep_alive
 from ._state import ServerConfig
 
@@ -50,29 +50,6 @@ DEFAULT_KEEP_ALIVE = 300.0
 """How long an idle model stays loaded when several are served (Ollama's 5 minutes)."""
 
 
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}")
-        return value
-
-    return parse
-
-
-def _seconds_or_zero(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a number of seconds >= 0")
-    return value
-
-
 def _keep_alive(text: str) -> float:
     try:
         return parse_keep_alive(text)
@@ -80,14 +57,22 @@ def _keep_alive(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError("must be <= 65535")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``afm serve``'s flags: the models, the server, the engine (its defaults
+    from :class:`EngineConfig` and :class:`ServerConfig`), speculative decoding,
+    the distributed group."""
+    _model_arguments(parser)
+    _server_arguments(parser)
+    engine = parser.add_argument_group("engine")
+    _engine_arguments(engine)
+    _spec_arguments(parser)
+    _feature_arguments(engine)
+    parser.add_argument("--quiet", action="store_true", help="no access log")
+    _distributed.add_arguments(parser)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which models are served, and how long they stay loaded."""
     parser.add_argument("--model", action="append", default=None, metavar="M",
                         help="mlx-lm directory, .gguf file or Hugging Face repo id "
                              "(default: the embedded SmolLM2-135M-Instruct); repeat it to serve "
@@ -105,9 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budget for the loaded models' weights (bytes on disk; e.g. 8G): "
                              "loading one first unloads the least recently used idle ones, or "
                              "waits for one to become idle (default: no budget)")
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server: address, access, limits, timeouts, the chat page, draining."""
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default: 127.0.0.1, loopback only)")
-    parser.add_argument("--port", type=_port, default=9999, help="TCP port (0: any free port)")
+    parser.add_argument("--port", type=port, default=9999, help="TCP port (0: any free port)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health and "
                              "the chat page's own files (the page sends the key it is given)")
@@ -117,9 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="without --api-key, also accept requests whose Host header is NAME "
                              "(besides IP addresses, localhost and --host; repeatable; '*' for any): "
                              "other names are refused, against DNS rebinding (default: none)")
-    parser.add_argument("--max-body-bytes", type=_int_at_least(1), default=_SERVER.max_body_bytes,
+    parser.add_argument("--max-body-bytes", type=int_at_least(1), default=_SERVER.max_body_bytes,
                         help="larger request bodies get 413 (default: 8 MiB)")
-    parser.add_argument("--responses-store-size", type=_int_at_least(0), default=_SERVER.responses_store_size,
+    parser.add_argument("--responses-store-size", type=int_at_least(0), default=_SERVER.responses_store_size,
                         metavar="N",
                         help="finished Responses API responses kept in memory for GET and "
                              "previous_response_id; the oldest is evicted (0: none; default: 1000)")
@@ -130,45 +119,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-ttl", type=positive_seconds, default=_SERVER.responses_store_ttl,
                         metavar="SECONDS",
                         help="how long a stored Responses API response is kept (default: 3600)")
-    parser.add_argument("--keepalive-seconds", type=_seconds_or_zero, default=_SERVER.keepalive_seconds,
+    parser.add_argument("--keepalive-seconds", type=seconds_or_zero, default=_SERVER.keepalive_seconds,
                         metavar="S",
                         help="a streaming response silent this long (queued or prefilling) gets "
                              "an SSE comment ': keepalive' (Anthropic's route: a ping event, the "
                              "Responses route: response.in_progress again); "
                              "0: none (default: 10)")
-    parser.add_argument("--stream-write-timeout", type=_seconds_or_zero, default=_SERVER.stream_write_timeout, metavar="S",
+    parser.add_argument("--stream-write-timeout", type=seconds_or_zero, default=_SERVER.stream_write_timeout, metavar="S",
                         help="close a connection whose client has taken none of a response's bytes "
                              "for S seconds (it stopped reading): its request is cancelled and its "
                              "slot freed; 0: wait forever (default: 30)")
     parser.add_argument("--idle-timeout", type=positive_seconds, default=_SERVER.idle_timeout, metavar="S",
                         help="close a connection without a request in progress (between requests, "
                              "or still sending its headers) after S seconds (default: 30)")
-    parser.add_argument("--max-connections", type=_int_at_least(1), default=_SERVER.max_connections, metavar="N",
+    parser.add_argument("--max-connections", type=int_at_least(1), default=_SERVER.max_connections, metavar="N",
                         help="open connections at most (lowered to fit the open-file limit, which "
                              "afm raises at start); at the cap a new connection closes the longest "
                              "idle one (default: 1024)")
     parser.add_argument("--no-ui", action="store_true",
                         help="do not serve the chat page at / (then 404)")
-    parser.add_argument("--drain-timeout", type=_seconds_or_zero, default=_SERVER.drain_timeout, metavar="S",
+    parser.add_argument("--drain-timeout", type=seconds_or_zero, default=_SERVER.drain_timeout, metavar="S",
                         help="on SIGTERM (or POST /admin/drain), report not ready and refuse new "
                              "generation requests at once, let running streams finish for up to S "
                              "seconds, then cancel the rest; 0: SIGTERM cancels open streams at "
                              "once (default: 0; behind a load balancer use e.g. 30)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-batch", type=_int_at_least(1), default=_ENGINE.max_batch,
+
+
+def _engine_arguments(engine: argparse._ArgumentGroup) -> None:
+    """The batch, the prefill, the prefix cache and the KV cache."""
+    engine.add_argument("--max-batch", type=int_at_least(1), default=_ENGINE.max_batch,
                         help="streams decoded together (default: 32)")
-    engine.add_argument("--max-waiting", type=_int_at_least(0), default=_ENGINE.max_waiting,
+    engine.add_argument("--max-waiting", type=int_at_least(0), default=_ENGINE.max_waiting,
                         help="requests queued beyond --max-batch before 503 (default: 64)")
-    engine.add_argument("--prefill-batch", type=_int_at_least(1), default=_ENGINE.prefill_batch,
+    engine.add_argument("--prefill-batch", type=int_at_least(1), default=_ENGINE.prefill_batch,
                         help="prompts prefilled together (default: 8)")
-    engine.add_argument("--prefill-step", type=_int_at_least(1), default=_ENGINE.prefill_step,
+    engine.add_argument("--prefill-step", type=int_at_least(1), default=_ENGINE.prefill_step,
                         help="prompt tokens per prefill step (default: 2048)")
-    engine.add_argument("--prefill-step-decoding", type=_int_at_least(0), default=_ENGINE.prefill_step_decoding, metavar="N",
+    engine.add_argument("--prefill-step-decoding", type=int_at_least(0), default=_ENGINE.prefill_step_decoding, metavar="N",
                         help="while other streams decode, prompt tokens per prefill step, counted at "
                              "their cost at a prompt's start (later chunks of a long prompt hold fewer): "
                              "bounds how long a long prompt pauses the running streams; 0: always "
                              "--prefill-step (default: 256)")
-    engine.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=_ENGINE.prefix_cache_bytes,
+    engine.add_argument("--prefix-cache-bytes", type=int_at_least(0), default=_ENGINE.prefix_cache_bytes,
                         help="prompt prefix cache budget, 0 disables it (default: the KV cache of one "
                              "request filling the model's context, at most 1 GiB)")
     engine.add_argument("--cache-dir", default=_ENGINE.cache_dir, metavar="DIR",
@@ -176,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "finished request's cache is written there in the background, read back "
                              "when memory no longer holds it, and found again after a restart "
                              "(one directory per server; not with --distributed; default: memory only)")
-    engine.add_argument("--cache-disk-bytes", type=_int_at_least(0), default=_ENGINE.cache_disk_bytes, metavar="N",
+    engine.add_argument("--cache-disk-bytes", type=int_at_least(0), default=_ENGINE.cache_disk_bytes, metavar="N",
                         help="bytes --cache-dir may use; the least recently used entries are deleted "
                              "beyond (default: 8 GiB)")
     engine.add_argument("--kv-bits", type=int, choices=(4, 8), default=_ENGINE.kv_bits, metavar="{4,8}",
@@ -192,22 +184,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the float KV cache's element type: float16 (half of float32's bytes), "
                              "model (the type the model computes in), auto: float16 where the model "
                              "computes in float32 and its keys and values fit (default: auto)")
-    engine.add_argument("--default-max-tokens", type=_int_at_least(1), default=_ENGINE.default_max_tokens,
+    engine.add_argument("--default-max-tokens", type=int_at_least(1), default=_ENGINE.default_max_tokens,
                         help="cap for requests without max_tokens (default: the rest of the context)")
+
+
+def _spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding."""
     spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
                                      "ones the same distribution; grammar, penalties, logit_bias and "
                                      "logprobs apply at every checked position)")
-    spec.add_argument("--prompt-lookup", type=_int_at_least(0), default=_ENGINE.prompt_lookup, metavar="N",
+    spec.add_argument("--prompt-lookup", type=int_at_least(0), default=_ENGINE.prompt_lookup, metavar="N",
                       help="propose up to N tokens per step from an earlier occurrence of the stream's last "
                            "tokens in its prompt or output, checked by one forward pass (0: off; default: 0)")
     spec.add_argument("--draft-model", default=_ENGINE.draft_model, metavar="M",
                       help="a smaller model with the same tokenizer proposes the tokens instead (an mlx-lm "
                            "directory, a .gguf or a hub id; default: none)")
-    spec.add_argument("--draft-tokens", type=_int_at_least(1), default=_ENGINE.draft_tokens, metavar="K",
+    spec.add_argument("--draft-tokens", type=int_at_least(1), default=_ENGINE.draft_tokens, metavar="K",
                       help="tokens the draft model proposes per step (default: 4)")
-    spec.add_argument("--spec-max-batch", type=_int_at_least(0), default=_ENGINE.spec_max_batch, metavar="N",
+    spec.add_argument("--spec-max-batch", type=int_at_least(0), default=_ENGINE.spec_max_batch, metavar="N",
                       help="speculate only while at most N streams decode; more run the plain batched "
                            "step (decided before every step; 0: never; default: 1)")
+
+
+def _feature_arguments(engine: argparse._ArgumentGroup) -> None:
+    """The engine's optional behaviours: prompts, grammars, warm-up, kernels, adapters, embeddings."""
     engine.add_argument("--keep-volatile-lines", action="store_true",
                         help="keep the per-request lines clients put into system prompts (Claude Code's "
                              "x-anthropic-billing-header); by default they are taken out so sessions "
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "different adapters decode in one batch")
     engine.add_argument("--embedding-pooling", choices=("mean", "last", "cls"), default=_ENGINE.embedding_pooling,
                         help="how /v1/embeddings pools the final hidden states (L2-normalized)")
-    engine.add_argument("--embedding-step", type=_int_at_least(1), default=_ENGINE.embedding_step, metavar="N",
+    engine.add_argument("--embedding-step", type=int_at_least(1), default=_ENGINE.embedding_step, metavar="N",
                         help="tokens of /v1/embeddings work computed between two decode steps, at most "
                              "(a long input in slices): running streams pause at most that long "
                              "(default: 512)")
@@ -241,8 +241,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or a hub id, e.g. a Qwen3-Embedding conversion with "
                              "--embedding-pooling last) on its own generation thread; default: "
                              "the served model")
-    parser.add_argument("--quiet", action="store_true", help="no access log")
-    _distributed.add_arguments(parser)
 
 
 def describe_blas(blas: Mapping[str, Any]) -> str:
@@ -334,7 +332,7 @@ def _duration(seconds: float) -> str:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from afm_core import resolve_model, runtime_info
+    from afm_core import resolve_model
 
     from ._registry import open_models
     from ._server import serve_engine
@@ -353,16 +351,7 @@ async def _main(args: argparse.Namespace) -> None:
     if args.embedding_model is not None:
         embedding_path = await trio.to_thread.run_sync(resolve_model, args.embedding_model)
         _say(f"loading the embedding model {embedding_path}")
-    server = ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                          allowed_hosts=tuple(args.allowed_host),
-                          max_body_bytes=args.max_body_bytes,
-                          responses_store_size=args.responses_store_size,
-                          responses_store_ttl=args.responses_store_ttl,
-                          responses_store_bytes=args.responses_store_bytes,
-                          stream_write_timeout=args.stream_write_timeout,
-                          idle_timeout=args.idle_timeout, max_connections=args.max_connections,
-                          keepalive_seconds=args.keepalive_seconds,
-                          drain_timeout=args.drain_timeout, ui=not args.no_ui)
+    server = _server_config(args)
     stop = trio.Event()
     drain = trio.Event()
 
@@ -381,28 +370,54 @@ async def _main(args: argparse.Namespace) -> None:
                     nursery.cancel_scope.cancel()  # (after a drain) stop waiting for signals
 
                 binds = await nursery.start(serve)
-                info = runtime_info()
-                isa = info.quantized_kernel
-                _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
-                     f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
-                auth = ", API key required" if args.api_key else ""
                 engine = models.engine_of(models.default_id)
                 what = f"{engine.model_id} (context {engine.context_length} tokens)" \
                     if engine is not None and not several else f"{len(specs)} models"
-                _say(f"serving {what} on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
-                     + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
-                if embedder is not None:
-                    _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
-                        _say(f"{name}: draining (open streams get up to {args.drain_timeout:g} s; "
-                             "a second signal stops at once)")
-                        drain.set()
-                        continue
-                    _say(f"{name}: shutting down")
-                    stop.set()
-                    break
+                _say_serving(args, what, binds, embedder)
+                await _until_stopped(signals, args, drain=drain, stop=stop)
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                        allowed_hosts=tuple(args.allowed_host),
+                        max_body_bytes=args.max_body_bytes,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl=args.responses_store_ttl,
+                        responses_store_bytes=args.responses_store_bytes,
+                        stream_write_timeout=args.stream_write_timeout,
+                        idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+                        keepalive_seconds=args.keepalive_seconds,
+                        drain_timeout=args.drain_timeout, ui=not args.no_ui)
+
+
+def _say_serving(args: argparse.Namespace, what: str, binds: list[str], embedder: Engine | None) -> None:
+    """The start-up lines once the server listens: the kernels, the addresses, the embedder."""
+    from afm_core import runtime_info
+
+    info = runtime_info()
+    isa = info.quantized_kernel
+    _say(f"BLAS: {describe_blas(info.blas)}; quantized products: "
+         f"{'afm kernel (' + isa + ')' if isa else 'MLX kernel'}")
+    auth = ", API key required" if args.api_key else ""
+    _say(f"serving {what} on {', '.join(binds)}; OpenAI API at {binds[0]}/v1{auth}"
+         + ("" if args.no_ui else f"; chat page at {binds[0]}/"))
+    if embedder is not None:
+        _say(f"embeddings from {embedder.model_id} ({args.embedding_pooling} pooling)")
+
+
+async def _until_stopped(signals: AsyncIterator[int], args: argparse.Namespace, *, drain: trio.Event,
+                         stop: trio.Event) -> None:
+    """SIGTERM with a drain timeout drains first; any other (or a second) signal stops."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and args.drain_timeout > 0 and not drain.is_set():
+            _say(f"{name}: draining (open streams get up to {args.drain_timeout:g} s; "
+                 "a second signal stops at once)")
+            drain.set()
+            continue
+        _say(f"{name}: shutting down")
+        stop.set()
+        break
 
 
 @asynccontextmanager

@@ -21,14 +21,14 @@ Three id spaces
     or a generated ``req_<hex>``.  Unique among the requests in flight (a
     duplicate is refused), reusable once a request has ended; what
     :meth:`Engine.cancel <.engine.Engine.cancel>` takes and replicas are
-    routed by.  Trio side only (``Engine._inflight``): it never reaches the
+    routed by.  Trio side only (``InFlight.by_id``, :mod:`.inflight`): it never reaches the
     generation thread.
 ``key`` (:data:`JobKey`, ``int``)
     The engine's serial number for one submission, given by ``Engine.stream``
     and never reused within an engine, so a late event for an ended request
     cannot reach a new request that took its ``request_id``.  The only id that
     crosses the thread boundary: commands name jobs by key and :data:`Outputs`
-    are keyed by it (``Engine._by_key``, ``Worker.by_key``).
+    are keyed by it (``InFlight.by_key``, ``Worker.by_key``).
 ``uid`` (:data:`MlxUid`, ``int``)
     mlx-lm's ``BatchGenerator`` uid, given when the generation thread admits
     the job into the batch (``None`` before).  mlx-lm's responses carry it;
@@ -280,7 +280,7 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class RequestRecord:
-    """One in-flight request on the Trio side (``Engine._inflight``, ``Engine._by_key``)."""
+    """One in-flight request on the Trio side (:class:`~.inflight.InFlight`)."""
 
     request_id: RequestId
     key: JobKey

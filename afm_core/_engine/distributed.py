@@ -7,7 +7,7 @@ operations inside every forward pass, so every rank must run the same
 forward passes in the same order.  As in ``mlx_lm.server``, rank 0 runs
 everything a single process runs (the HTTP server, the engine, its
 generation thread with its :class:`~.worker.Worker`) and the other ranks run
-a :class:`Follower`, which has a copy of the batch generator and nothing else.
+a :class:`~.follower.Follower`, which has a copy of the batch generator and nothing else.
 
 **The journal.**  Rank 0's worker is a :class:`LeaderWorker`: its batch
 generator (:class:`LeaderGenerator`) writes down every operation that changes
@@ -16,7 +16,7 @@ the batch (``insert``, ``remove``, ``forget`` a prompt's scores, ``share`` /
 ``reset_cache``) as a small JSON list.  Just before anything that runs the
 model (an engine ``step``, an ``embed``), and on each idle heartbeat, rank 0
 broadcasts the journal ending with that operation as one *frame*
-(:class:`Channel`: an ``all_sum`` of a fixed 1 KiB head, plus one of the rest
+(:class:`~.dist_channel.Channel`: an ``all_sum`` of a fixed 1 KiB head, plus one of the rest
 for a longer frame, the followers adding zeros, as ``mlx_lm.server`` shares a
 request).  A follower applies each frame's operations to its own generator
 and prefix cache, then runs the same step; the collectives of the two steps
@@ -36,7 +36,7 @@ on the others raises ``[ring] connection to a peer was lost`` when it is the
 only one pending, but with several collectives already queued (any forward
 pass) MLX's evaluation can wait forever, as it does for a rank that hangs or
 whose host is unreachable.  So every collective section runs under a
-:class:`Watchdog`: after ``DistributedConfig.timeout`` seconds on one
+:class:`~.dist_channel.Watchdog`: after ``DistributedConfig.timeout`` seconds on one
 section, rank 0 marks the engine failed (``worker.fatal``: ``/health``
 503), ends every open stream with a ``distributed_failed`` error and, with
 ``exit_after``, ends the process; a follower exits.  A lost connection seen
@@ -50,15 +50,12 @@ May import what :mod:`afm_core._engine` may.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,16 +65,24 @@ from .._mlx.prefill import EngineBatchGenerator
 from .._stream.events import StreamFailure
 from .commands import Delivery, Embed, Outputs
 from .config import DistributedConfig, EngineConfig
+from .dist_channel import (
+    Channel,
+    Link,
+    Watchdog,
+    config_digest,
+    generator_settings,
+    init_group,
+)
+from .follower import DesyncError, Follower, run_follower
 from .worker import Worker
 
 if TYPE_CHECKING:
-    from mlx_lm.models.cache import LRUPromptCache
-
     from .._mlx.prefix_cache import PinningPromptCache
     from .._models.loader import ModelInfo
 
 __all__ = [
     "Channel",
+    "DesyncError",
     "Follower",
     "LeaderGenerator",
     "LeaderWorker",
@@ -90,35 +95,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("afm.distributed")
-
-HEAD = 1024
-"""Bytes of a frame's first broadcast (a longer frame takes a second one)."""
-PREFIX_KEY = "model"
-"""The follower's prefix-cache key (it serves one model)."""
-
-Op = list[Any]
-"""One journal entry: ``[name, *arguments]`` (see the module docstring)."""
-
-
-# -- the group ---------------------------------------------------------------------
-
-
-def init_group(backend: str = "any") -> Any:
-    """This process's ``mx.distributed`` group, joined on the first call;
-    :class:`DistributedError` when there is none of at least 2 ranks."""
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        raise DistributedError("this MLX build has no distributed back-end")
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except RuntimeError as exc:
-        raise DistributedError(
-            f"could not join the distributed group ({exc}); start every rank with mlx.launch "
-            "(see docs/distributed.md), or set MLX_RANK and MLX_HOSTFILE on each") from exc
-    if group.size() < 2:
-        raise DistributedError("a distributed model needs at least 2 ranks; this group has 1")
-    return group
 
 
 def init_distributed(backend: str = "any") -> tuple[int, int]:
@@ -149,142 +125,6 @@ def worker_factory(distributed: DistributedConfig | None) -> Callable[..., Worke
     if distributed is None:
         return Worker
     return partial(LeaderWorker, distributed=distributed)
-
-
-def _lost(exc: BaseException) -> DistributedError:
-    return DistributedError(f"lost the connection to another rank of the distributed group ({exc})")
-
-
-# -- transport and watchdog -------------------------------------------------------------
-
-
-class Channel:
-    """Frames from rank 0 to every rank, as ``all_sum`` broadcasts on
-    ``stream`` (the generation stream: MLX runs one stream's operations in
-    order, so broadcasts and the model's collectives keep their order)."""
-
-    def __init__(self, group: Any, stream: Any):
-        import mlx.core as mx
-        import numpy as np
-
-        self.mx, self.np = mx, np
-        self.group = group
-        self.stream = stream
-
-    def _sum(self, data: Any) -> Any:
-        mx = self.mx
-        out = mx.distributed.all_sum(mx.array(data), group=self.group, stream=self.stream)
-        mx.eval(out)
-        return out
-
-    def send(self, payload: bytes) -> None:
-        """Rank 0: broadcast ``payload``."""
-        np = self.np
-        head = np.zeros(HEAD, dtype=np.uint8)
-        first = payload[: HEAD - 8]
-        head[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
-        head[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-        self._sum(head)
-        if len(payload) > HEAD - 8:
-            self._sum(np.frombuffer(payload[HEAD - 8 :], dtype=np.uint8))
-
-    def recv(self) -> bytes:
-        """Another rank: the payload rank 0 broadcasts."""
-        np = self.np
-        head = np.array(self._sum(np.zeros(HEAD, dtype=np.uint8)), copy=False)
-        size = int.from_bytes(head[:8].tobytes(), "little")
-        data = head[8 : 8 + min(size, HEAD - 8)].tobytes()
-        if size > HEAD - 8:
-            data += np.array(self._sum(np.zeros(size - (HEAD - 8), dtype=np.uint8))).tobytes()
-        return data
-
-
-class Watchdog:
-    """Calls ``on_timeout(what, seconds)`` once, from its own thread, when one
-    :meth:`guard` section has lasted ``timeout`` seconds."""
-
-    def __init__(self, timeout: float, on_timeout: Callable[[str, float], None]):
-        self.timeout = timeout
-        self.on_timeout = on_timeout
-        self.tripped = False
-        self._what: str | None = None
-        self._since = 0.0
-        self._depth = 0
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="afm-distributed-watchdog", daemon=True)
-        self._thread.start()
-
-    @contextmanager
-    def guard(self, what: str) -> Iterator[None]:
-        """Time the block (the outermost of nested ones)."""
-        if self._depth == 0:
-            self._what, self._since = what, time.monotonic()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._what = None
-
-    def close(self) -> None:
-        self._closed.set()
-
-    def _watch(self) -> None:
-        tick = min(0.25, self.timeout / 4)
-        while not self._closed.wait(tick):
-            what, since = self._what, self._since
-            waited = time.monotonic() - since
-            if what is not None and waited > self.timeout:
-                self.tripped = True
-                self.on_timeout(what, waited)
-                return
-
-
-class Link:
-    """Rank 0's end: the journal of batch operations and the channel that
-    broadcasts it (see the module docstring)."""
-
-    def __init__(self, channel: Channel, watchdog: Watchdog, broken: Callable[[DistributedError], None]):
-        self.channel = channel
-        self.watchdog = watchdog
-        self.broken = broken
-        self.ops: list[Op] = []
-        self.failed: DistributedError | None = None
-
-    def record(self, op: Op) -> None:
-        self.ops.append(op)
-
-    def flush(self, last: Op | None, what: str) -> None:
-        """Broadcast the journal, ending with ``last`` (which rank 0 runs next)."""
-        if self.failed is not None:
-            raise self.failed
-        ops, self.ops = self.ops, []
-        if last is not None:
-            ops.append(last)
-        payload = json.dumps(ops, separators=(",", ":")).encode()
-        try:
-            with self.watchdog.guard(what):
-                self.channel.send(payload)
-        except RuntimeError as exc:
-            raise self.fail(_lost(exc)) from exc
-
-    @contextmanager
-    def running(self, what: str) -> Iterator[None]:
-        """Run the block (model work with collectives) under the watchdog."""
-        if self.failed is not None:
-            raise self.failed
-        try:
-            with self.watchdog.guard(what):
-                yield
-        except RuntimeError as exc:
-            raise self.fail(_lost(exc)) from exc
-
-    def fail(self, err: DistributedError) -> DistributedError:
-        if self.failed is None:
-            self.failed = err
-            self.broken(err)
-        return self.failed
 
 
 # -- rank 0 ---------------------------------------------------------------------------
@@ -373,34 +213,15 @@ class LeaderGenerator(EngineBatchGenerator):
         return prompt_responses, responses
 
 
-def generator_settings(*, max_batch: int, prefill_batch: int, prefill_step: int,
-                       eos: list[int], stream: Any) -> dict[str, Any]:
-    """``EngineBatchGenerator``'s arguments, as :meth:`Worker.setup` gives them."""
-    return {
-        "max_tokens": 1 << 30,
-        "stop_tokens": [[t] for t in eos],
-        "completion_batch_size": max_batch,
-        "prefill_batch_size": min(prefill_batch, max_batch),
-        "prefill_step_size": prefill_step,
-        "stream": stream,
-    }
-
-
-def _config_digest(path: Path) -> str:
-    try:
-        return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:16]
-    except OSError:
-        return ""
-
-
 class LeaderWorker(Worker):
     """Rank 0's generation-thread worker (see the module docstring): the
     engine's :class:`~.worker.Worker` with a :class:`LeaderGenerator`, a
     watchdog and an idle heartbeat."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, distributed: DistributedConfig,
+    def __init__(self, model: Any, tokenizer: Any, *, distributed: DistributedConfig, config: EngineConfig,
                  group: Any = None, **kw: Any):
-        super().__init__(model, tokenizer, **kw)
+        # (the probe of kv_dtype "auto" is one rank's forward pass: not with distributed)
+        super().__init__(model, tokenizer, config=replace(config, kv_dtype="model"), **kw)
         self.distributed = distributed
         self.group = group
         self.link: Link | None = None
@@ -423,11 +244,11 @@ class LeaderWorker(Worker):
         self.gen = sharded_generator(
             self.model, group=self.group, leader=True, logprob_uids=self.logprob_uids,
             generator_class=LeaderGenerator, link=link, shared=JournaledSet,
-            **generator_settings(max_batch=self.max_batch, prefill_batch=self.prefill_batch,
-                                 prefill_step=self.prefill_step, eos=eos, stream=self.stream))
-        hello = {"max_batch": self.max_batch, "prefill_batch": self.prefill_batch,
-                 "prefill_step": self.prefill_step, "eos": eos, "mode": self.distributed.mode,
-                 "size": self.group.size(), "config": _config_digest(Path(self.model_key)),
+            **generator_settings(max_batch=self.config.max_batch, prefill_batch=self.config.prefill_batch,
+                                 prefill_step=self.config.prefill_step, eos=eos, stream=self.stream))
+        hello = {"max_batch": self.config.max_batch, "prefill_batch": self.config.prefill_batch,
+                 "prefill_step": self.config.prefill_step, "eos": eos, "mode": self.distributed.mode,
+                 "size": self.group.size(), "config": config_digest(Path(self.model_key)),
                  "prefix_cache_size": self.prefix_cache.max_size}
         link.flush(["hello", hello], "the start-up hand-shake")
         threading.Thread(target=self._heartbeat, name="afm-distributed-heartbeat", daemon=True).start()
@@ -535,207 +356,3 @@ def _exit_later(seconds: float, why: str) -> None:
     os._exit(1)
 
 
-# -- the other ranks ------------------------------------------------------------------
-
-
-class DesyncError(DistributedError):
-    """A follower's batch no longer matches rank 0's."""
-
-
-class Follower:
-    """Another rank's loop: apply rank 0's frames to a copy of its batch (see
-    the module docstring).  :meth:`run` on the thread that owns MLX here."""
-
-    def __init__(self, model: Any, *, group: Any, distributed: DistributedConfig, config_digest: str = ""):
-        self.model = model
-        self.config_digest = config_digest
-        self.group = group
-        self.distributed = distributed
-        self.gen: EngineBatchGenerator | None = None
-        self.prefix_cache: LRUPromptCache | None = None
-        self.finished: dict[tuple[int, ...], list[Any]] = {}  # caches of the rows the last step ended
-        self.copies: dict[int, list[Any]] = {}  # prefills copied for parked jobs in the last step
-        self.steps = 0
-
-    def run(self) -> int:
-        """Follow until rank 0 stops (0) or the group breaks (1)."""
-        import mlx.core as mx
-
-        self.mx = mx
-        self.stream = mx.new_stream(mx.default_device())
-        channel = Channel(self.group, self.stream)
-        watchdog = Watchdog(self.distributed.timeout, self._timed_out)
-        try:
-            while True:
-                with watchdog.guard("waiting for rank 0"):
-                    frame = channel.recv()
-                ops: list[Op] = json.loads(frame)
-                for op in ops:
-                    with watchdog.guard(f"following rank 0's {op[0]}"):
-                        if not self._apply(op):
-                            log.info("rank 0 stopped: following ends after %d steps", self.steps)
-                            return 0
-        except RuntimeError as exc:
-            log.error("%s", _lost(exc))
-            return 1
-        except DistributedError as exc:
-            log.error("%s", exc)
-            return 1
-        finally:
-            watchdog.close()
-            if self.gen is not None:
-                self.gen.close()
-
-    def _timed_out(self, what: str, waited: float) -> None:
-        log.error("rank 0 stopped answering (%s for %.0fs, timeout %gs): exiting",
-                  what, waited, self.distributed.timeout)
-        logging.shutdown()
-        os._exit(1)
-
-    def _apply(self, op: Op) -> bool:
-        name = op[0]
-        if name == "hello":
-            self._hello(op[1])
-            return True
-        gen = self.gen
-        if gen is None:
-            raise DesyncError(f"rank 0 sent {name!r} before its hand-shake")
-        if name == "step":
-            self._step(gen)
-        elif name == "insert":
-            self._insert(gen, *op[1:])
-        elif name == "remove":
-            gen.remove(op[1])
-        elif name == "forget":
-            gen.forget_scores(op[1])
-        elif name == "share":
-            gen.shared.add(op[1])
-        elif name == "unshare":
-            gen.shared.discard(op[1])
-        elif name == "save":
-            self._save(op[1], op[2])
-        elif name == "reset_cache":
-            self.prefix_cache = self._new_prefix_cache()
-        elif name == "embed":
-            self._embed(op[1], op[2])
-        elif name == "stop":
-            return False
-        else:
-            raise DesyncError(f"unknown operation {name!r} from rank 0 (are all ranks the same afm version?)")
-        return True
-
-    def _hello(self, hello: dict[str, Any]) -> None:
-        from .._mlx.distributed import sharded_generator
-
-        mine = {"mode": self.distributed.mode, "size": self.group.size()}
-        for key, value in mine.items():
-            if hello.get(key) != value:
-                raise DesyncError(f"rank 0 runs with {key}={hello.get(key)!r}, this rank with {value!r}")
-        if self.config_digest and hello.get("config") and hello["config"] != self.config_digest:
-            raise DesyncError("rank 0's model has another config.json than this rank's: "
-                              "every rank must load the same model")
-        self.prefix_cache_size = int(hello.get("prefix_cache_size", 256))
-        self.prefix_cache = self._new_prefix_cache()
-        self.gen = sharded_generator(
-            self.model, group=self.group, leader=False, logprob_uids=set(),
-            **generator_settings(max_batch=hello["max_batch"], prefill_batch=hello["prefill_batch"],
-                                 prefill_step=hello["prefill_step"], eos=hello["eos"], stream=self.stream))
-
-    def _new_prefix_cache(self) -> LRUPromptCache:
-        from .._mlx.prefix_cache import make_prefix_cache
-
-        # no byte budget: rank 0's evictions arrive with each "save"
-        return make_prefix_cache(max_size=self.prefix_cache_size, max_bytes=1 << 62)
-
-    def _step(self, gen: EngineBatchGenerator) -> None:
-        self.finished.clear()
-        self.copies.clear()
-        _, responses = gen.next()
-        self.steps += 1
-        for r in responses:
-            if r.finish_reason is not None and r.prompt_cache is not None and r.all_tokens is not None:
-                self.finished[tuple(r.all_tokens)] = r.prompt_cache
-        if gen.prefilled:
-            self.copies = dict(gen.prefilled)
-            gen.prefilled.clear()
-
-    def _insert(self, gen: EngineBatchGenerator, uid: int, rest: list[int], all_tokens: list[int],
-                source: Any, max_tokens: int, stop_at_eos: bool, top_k: int | None) -> None:
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        from .._mlx.prefill import PromptScores
-
-        whole = [*all_tokens, *rest]
-        cache: list[Any] | None = None
-        mine = whole
-        if source == "prefix":
-            assert self.prefix_cache is not None
-            cache, mine = self.prefix_cache.fetch_nearest_cache(PREFIX_KEY, whole)
-            if cache is not None and not mine:
-                trim_prompt_cache(cache, 1)
-                mine = whole[-1:]
-            if cache is None:
-                mine = whole
-        elif isinstance(source, list) and source[0] == "shared":
-            row = self.copies.get(source[1])
-            if row is None:
-                raise DesyncError(f"rank 0 starts a request from row {source[1]}'s prefill, which "
-                                  "this rank did not copy")
-            cache, mine = copy.deepcopy(row), whole[-1:]
-        elif source is not None:
-            raise DesyncError(f"unknown cache source {source!r} from rank 0")
-        if len(mine) != len(rest):
-            raise DesyncError(f"rank 0 prefills {len(rest)} tokens of a prompt, this rank's cache "
-                              f"leaves {len(mine)}")
-        scores = PromptScores(whole, top_k) if top_k is not None else None
-        got = gen.insert_one(rest, max_tokens=max_tokens, cache=cache, all_tokens=all_tokens,
-                             sampler=None, logits_processors=[], stop_at_eos=stop_at_eos, scores=scores)
-        if got != uid:
-            raise DesyncError(f"rank 0 inserted uid {uid}, this rank got {got}")
-
-    def _save(self, tokens: list[int], keep: int) -> None:
-        cache = self.finished.get(tuple(tokens))
-        if cache is None or self.prefix_cache is None:
-            raise DesyncError("rank 0 keeps the cache of a row this rank did not finish")
-        self.mx.async_eval([c.state for c in cache])
-        self.prefix_cache.insert_cache(PREFIX_KEY, list(tokens), cache)
-        self.prefix_cache.trim_to(n_sequences=keep)
-        if len(self.prefix_cache) != keep:
-            raise DesyncError(f"rank 0's prefix cache holds {keep} entries, this rank's {len(self.prefix_cache)}")
-
-    def _embed(self, lists: list[list[int]], pooling: str) -> None:
-        from .._mlx.embeddings import embed
-
-        try:
-            with self.mx.stream(self.stream):
-                embed(self.model, lists, pooling)
-        except Exception as exc:  # noqa: BLE001 - rank 0 reports the same failure to its caller
-            log.debug("embedding failed here too: %s", exc)
-
-
-def run_follower(model: str | Path | None, config: EngineConfig | None = None) -> int:
-    """Serve as one of the other ranks of a distributed model: load this
-    rank's shard of ``model`` (as :func:`~afm_core.resolve_model` resolves it;
-    every rank must resolve the same model) and follow rank 0's engine until
-    it stops; blocks.  ``config`` is rank 0's (``config.distributed`` must be
-    set).  Returns the process's exit status: 0 when rank 0 stopped, 1 when
-    the group broke."""
-    from .._mlx.fusion import fuse_for_cpu
-    from .._models.resolve import resolve_model
-    from .._models.sharded import load_sharded
-
-    config = config or EngineConfig(distributed=DistributedConfig())
-    distributed = config.distributed
-    if distributed is None:
-        raise ValueError("run_follower needs a config with a distributed setting")
-    group = init_group(distributed.backend)
-    if group.rank() == 0:
-        raise DistributedError("rank 0 runs the engine (EngineConfig.distributed), not run_follower")
-    path = resolve_model(model)
-    log.info("rank %d of %d: loading %s (%s parallel)", group.rank(), group.size(), path, distributed.mode)
-    loaded, _tokenizer, _info = load_sharded(path, distributed.mode, group)
-    if config.cpu_fusion:
-        fuse_for_cpu(loaded)
-    follower = Follower(loaded, group=group, distributed=distributed, config_digest=_config_digest(path))
-    log.info("rank %d of %d: following rank 0", group.rank(), group.size())
-    return follower.run()

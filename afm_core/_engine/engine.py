@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,7 +37,6 @@ import trio
 
 from .._errors import (
     ContextLengthError,
-    DuplicateRequestError,
     EngineBusyError,
     EngineClosedError,
     GenerationError,
@@ -49,201 +47,41 @@ from .._errors import (
 from .._mlx.tokenizer import encode
 from .._models.loader import ModelInfo
 from .._stream.detok import DecoderTables
-from .._stream.events import Event, Finish, Profile, PromptProgress, StreamFailure, Usage
-from ..api.chat import Writer as ChatWriter
+from .._stream.events import Finish, Profile, Usage
 from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
+from .boot import Boot, warm_up
+from .chat_stream import ChatStream, Embeddings
 from .commands import (
-    Embed,
     Job,
     JobKey,
-    Outputs,
-    PromptLogprobs,
     RequestId,
     RequestRecord,
     RequestState,
 )
 from .config import WARMUP_WIDTH, EngineConfig
-from .genthread import run_on_generation_thread
+from .genthread import Run, run_on_generation_thread
+from .handoff import Handoff, embedding_answer
+from .inflight import InFlight
 from .lanes import Preparation, Ticket, text_cost
-from .mailbox import Mailbox
-from .startup import Started, StartFailed, StartUp
-from .worker import Worker, WorkerStats
+from .startup import Started, StartFailed
+from .stats import WORKER_COUNTERS, EngineStatistics, WorkerStats
+from .texts import (
+    as_request,
+    embedding_items,
+    embedding_token_lists,
+    request_cost,
+    token_pieces,
+    tokenizer_info,
+)
+from .worker import Worker
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-TERMINAL = (Finish, StreamFailure)
 T = TypeVar("T")
 
 log = logging.getLogger("afm.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of the engine (see :meth:`Engine.statistics`)."""
-
-    running: int
-    waiting: int
-    requests_total: int
-    requests_active: int
-    prompt_tokens: int
-    cached_tokens: int
-    generation_tokens: int
-    prefix_cache_hits: int
-    prefix_cache_lookups: int
-    prefix_cache_bytes: int
-    steps: int
-    ttft_seconds_sum: float
-    ttft_count: int
-    finished: dict[str, int] = field(default_factory=dict)
-    blas: str = ""
-    """The BLAS computing MLX's CPU products (``openblas``, ``reference``,
-    ``accelerate``; see ``afm_core._mlx.blas``), once the engine has started."""
-    shared_prefills: int = 0
-    """Requests started from another request's prefill of the same prompt
-    (several choices of one prompt, identical requests arriving together):
-    each computed one prompt token instead of all of them."""
-    kept_prefixes: int = 0
-    """Requests that left before they ended (cancelled, or their client went
-    away) whose computed prefix (a prefill stopped part-way, or the prompt
-    and the output so far) was kept in the prefix cache for a retry."""
-    embedding_requests: int = 0
-    """:meth:`Engine.embed` calls answered."""
-    embedding_tokens: int = 0
-    """Their input tokens."""
-    embeddings_active: int = 0
-    """:meth:`Engine.embed` calls running now (they count toward ``max_waiting``)."""
-    prefix_cache_memory_hits: int = 0
-    """Lookups the memory tier of the prefix cache served (``prefix_cache_hits``
-    counts both tiers' hits)."""
-    prefix_cache_memory_misses: int = 0
-    """Lookups the memory tier did not serve (the disk tier may have)."""
-    prefix_cache_disk_hits: int = 0
-    """Lookups the disk tier (``EngineConfig.cache_dir``) served: its entry was
-    read back instead of prefilling the prompt's prefix."""
-    prefix_cache_disk_misses: int = 0
-    """Lookups neither tier served, with a disk tier."""
-    prefix_cache_disk_bytes: int = 0
-    """Bytes of the disk tier's files (this model's)."""
-    prefix_cache_disk_entries: int = 0
-    """Entries in the disk tier."""
-    prefix_cache_disk_writes: int = 0
-    """Entries written to the disk tier."""
-    prefix_cache_disk_written_bytes: int = 0
-    """Their bytes."""
-    prefix_cache_disk_read_bytes: int = 0
-    """Bytes read back from the disk tier."""
-    prefix_cache_disk_evictions: int = 0
-    """Entries deleted to keep the disk tier within ``cache_disk_bytes``."""
-    prefix_cache_disk_corrupt: int = 0
-    """Disk entries found corrupt or truncated (deleted, never served)."""
-    prefix_cache_disk_dropped_writes: int = 0
-    """Writes given up (superseded by a longer entry before they began, more
-    pending than the disk keeps up with, or failed)."""
-    kv_bits: int | None = None
-    """Bits per element of the KV cache (``EngineConfig.kv_bits``: 8 or 4,
-    quantized); None: float."""
-    kv_group_size: int | None = None
-    """Elements per scale of the quantized KV cache; None with a float one."""
-    kv_cache: str = ""
-    """The KV cache's element type as chosen at start (``EngineConfig.kv_dtype``):
-    ``float16``, ``the model's type`` or e.g. ``8-bit (groups of 64)``."""
-    prefix_cache_budget: int = 0
-    """Bytes the prefix cache's memory tier may hold (``EngineConfig.prefix_cache_bytes``,
-    or the size chosen for the model)."""
-    spec_steps: int = 0
-    """Verify steps of speculative decoding (``EngineConfig.prompt_lookup``,
-    ``draft_model``): steps that checked proposed tokens."""
-    spec_proposed: int = 0
-    """Tokens proposed in them."""
-    spec_accepted: int = 0
-    """Proposed tokens the model agreed with, each emitted without a step of
-    its own (acceptance rate: ``spec_accepted / spec_proposed``)."""
-    preparations_abandoned: int = 0
-    """Preparations (templating, tokenizing; ``tokenize`` and ``embed`` texts)
-    stopped before their end because their caller left (a client that hung
-    up): their thread went back to its lane at once."""
-
-
-@dataclass(frozen=True, slots=True)
-class Embeddings:
-    """What :meth:`Engine.embed` returns: one L2-normalized vector per input
-    (in the inputs' order) and each input's token count."""
-
-    vectors: list[list[float]]
-    token_counts: tuple[int, ...]
-    pooling: str
-    """The pooling used: ``mean``, ``last`` or ``cls``."""
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens of every input together (the usage's ``prompt_tokens``)."""
-        return sum(self.token_counts)
-
-
-class ChatStream:
-    """One request's events; iterate it, or ``batches()`` for one tuple per step."""
-
-    def __init__(self, *, id: str, created: int, model: str, request_id: RequestId,
-                 mailbox: Mailbox, prompt_tokens: int, grammar_downgraded: bool,
-                 record: RequestRecord | None = None):
-        self.id = id
-        self.created = created
-        self.model = model
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.grammar_downgraded = grammar_downgraded
-        self._mailbox = mailbox
-        self._record = record
-        self._ended = False
-
-    @property
-    def finished(self) -> bool:
-        """True once every event of the stream has arrived: reading will not wait."""
-        return self._mailbox.closed
-
-    @property
-    def prompt_logprobs(self) -> PromptLogprobs | None:
-        """The prompt's own tokens scored (a :class:`CompletionRequest` with
-        ``prompt_logprobs``), set before the batch that carries the first
-        token (or the finish) is read; None until then, and for other requests."""
-        return self._record.prompt_logprobs if self._record is not None else None
-
-    async def next_batch(self) -> tuple[Event, ...] | None:
-        """The next batch :meth:`batches` would yield, or None at the end.
-        Safe to cancel: a cancelled call takes nothing from the stream."""
-        if self._ended:
-            return None
-        batch = await self._mailbox.take()
-        # Usage/Profile ride in the same batch as Finish
-        if batch is None or any(isinstance(e, TERMINAL) for e in batch):
-            self._ended = True
-        return batch
-
-    async def batches(self) -> AsyncIterator[tuple[Event, ...]]:
-        """Everything that arrived since the last batch (one engine step, or
-        several when the reader fell behind), until the stream ends."""
-        while (batch := await self.next_batch()) is not None:
-            yield batch
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        async for batch in self.batches():
-            for event in batch:
-                yield event
-
-    async def collect(self) -> dict[str, Any]:
-        """The whole stream as a ``chat.completion`` dict (the non-streaming shape),
-        folded by the chat translation's writer (:mod:`afm_core.api.chat`); raises
-        :class:`GenerationError` if the stream failed or ended without a finish."""
-        writer = ChatWriter(id=self.id, created=self.created, model=self.model, stream=False)
-        while not writer.ended(0):
-            batch = await self.next_batch()
-            if batch is None:
-                writer.close(0)
-                break
-            writer.feed(0, batch)
-        return writer.result()
 
 
 class Engine:
@@ -253,16 +91,11 @@ class Engine:
                  **overrides: Any):
         self.config = replace(config or EngineConfig(), **overrides)
         self._model_spec = model
-        self._inflight: dict[RequestId, RequestRecord] = {}  # see .commands for the id spaces
+        self._requests = InFlight()  # see .commands for the id spaces
         self._embedding_calls = 0  # embed() calls running now (they count toward max_waiting)
         self._embedding_requests = 0  # embed() calls answered
         self._embedding_tokens = 0  # their input tokens
-        self._groups: dict[RequestId, set[RequestId]] = {}  # group id -> its other members in flight
-        self._by_key: dict[JobKey, RequestRecord] = {}
-        self._serial = 0  # the last JobKey given
         self._requests_total = 0
-        self._ttft_sum = 0.0
-        self._ttft_count = 0
         self._worker: Worker | None = None
         self._closed = True
         self._prep = Preparation(self.config.template_threads, timeout=self.config.prepare_timeout)
@@ -316,122 +149,13 @@ class Engine:
 
         path = await trio.to_thread.run_sync(resolve_model, self._model_spec)
         token = trio.lowlevel.current_trio_token()
-        ready = trio.Event()
-        startup: StartUp | None = None  # set by the thread before ``ready``
-
-        # Hand-off: the thread appends each step's outputs; one Trio callback is
-        # scheduled at a time and drains everything posted since, so a busy Trio
-        # side gets one wake-up per drain (each stream's mailbox coalesces).
-        lock = threading.Lock()
-        pending: list[Outputs] = []
-        scheduled = False
-
-        def drain() -> None:
-            nonlocal scheduled
-            with lock:
-                batch = pending[:]
-                pending.clear()
-                scheduled = False
-            for outputs in batch:
-                self._dispatch(outputs)
-
-        def post(outputs: Outputs) -> None:
-            nonlocal scheduled
-            with lock:
-                pending.append(outputs)
-                if scheduled:
-                    return
-                scheduled = True
-            try:
-                token.run_sync_soon(drain)
-            except trio.RunFinishedError:
-                pass
-
-        def thread_main() -> None:
-            from .._mlx.fusion import fuse_for_cpu, unfuse_cpu_kernels
-            from . import distributed as _distributed
-
-            nonlocal startup
-            model = draft = None
-            try:
-                # the whole model, or (EngineConfig.distributed) rank 0's shard of it
-                model, tokenizer, info = _distributed.load(path, self.config.distributed)
-                if self.config.cpu_fusion:
-                    fuse_for_cpu(model)
-                adapters = None
-                if self.config.adapters:  # after the CPU rewrite: they wrap its layers
-                    from .._mlx.lora import attach_adapters
-
-                    try:
-                        adapters = attach_adapters(model, self.config.adapters)
-                    except (ValueError, OSError) as exc:
-                        raise ModelLoadError(f"could not load the adapters: {exc}") from exc
-                draft = _load_draft(self.config.draft_model, tokenizer, self.config.cpu_fusion) \
-                    if self.config.draft_model is not None and self.config.spec_max_batch else None
-                tables = DecoderTables.from_tokenizer(tokenizer)
-                worker = _distributed.worker_factory(self.config.distributed)(
-                    model, tokenizer, post=post, max_batch=self.config.max_batch,
-                    prefill_batch=self.config.prefill_batch, prefill_step=self.config.prefill_step,
-                    prefill_step_decoding=self.config.prefill_step_decoding,
-                    # (the probe of kv_dtype "auto" is one rank's forward pass: not with distributed)
-                    kv_dtype=self.config.kv_dtype if self.config.distributed is None else "model",
-                    prefix_cache_bytes=self.config.prefix_cache_bytes, model_key=str(path),
-                    cache_dir=self.config.cache_dir, cache_disk_bytes=self.config.cache_disk_bytes,
-                    adapters=adapters,
-                    kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size,
-                    prompt_lookup=self.config.prompt_lookup, draft=draft,
-                    draft_tokens=self.config.draft_tokens, spec_max_batch=self.config.spec_max_batch,
-                    embedding_step=self.config.embedding_step,
-                )
-                worker.setup()
-                startup = Started(worker, tokenizer, tables, info)
-            except BaseException as exc:  # noqa: BLE001 - reported to run()
-                # undo the CPU rewrite of what was loaded: the decode attention's
-                # name is patched module-wide, counted per model using it
-                from .._mlx.lora import detach_adapters
-
-                for loaded in (model, draft):
-                    if loaded is not None:
-                        detach_adapters(loaded)  # (none attached: nothing to do)
-                        unfuse_cpu_kernels(loaded)
-                startup = StartFailed(exc)
-                token.run_sync_soon(ready.set)
-                return
-            token.run_sync_soon(ready.set)
-            try:
-                worker.loop()
-            except BaseException as exc:  # noqa: BLE001
-                worker.fatal = exc
-                worker.run_failed(exc)
-            finally:
-                from .._mlx.lora import detach_adapters
-
-                detach_adapters(model)  # before the rewrite it wraps is undone
-                unfuse_cpu_kernels(model)  # frees the kernels' traces from this thread's cache
-                if draft is not None:
-                    unfuse_cpu_kernels(draft)
-
-        thread = run_on_generation_thread(thread_main)
-        try:
-            await ready.wait()
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await ready.wait()
-                if isinstance(startup, Started):
-                    startup.worker.stop()
-                await trio.to_thread.run_sync(thread.join)
-            raise
-        if not isinstance(startup, Started):
-            await trio.to_thread.run_sync(thread.join)
-            assert isinstance(startup, StartFailed)
-            err = startup.error
-            if isinstance(err, ModelLoadError):
-                raise err
-            raise ModelLoadError(f"could not start the engine: {err}") from err
-        self._worker = startup.worker
-        self._tokenizer = startup.tokenizer
-        self._detok_tables = startup.tables
-        self.info = startup.info
+        boot = Boot(path, self.config, post=Handoff(token, self._requests.dispatch).post, token=token)
+        thread = run_on_generation_thread(boot.run)
+        started = await self._started(boot, thread)
+        self._worker = started.worker
+        self._tokenizer = started.tokenizer
+        self._detok_tables = started.tables
+        self.info = started.info
         self._closed = False
         if self.config.warmup:
             await self._warm_up()
@@ -447,6 +171,29 @@ class Engine:
                 record.mailbox.close()
             for waiting in list(self._embed_waits):
                 waiting.set()  # embed() finds no result: EngineClosedError
+
+    @staticmethod
+    async def _started(boot: Boot, thread: Run) -> Started:
+        """Wait for the generation thread's start-up; a failed one (the thread
+        has ended) raises :class:`ModelLoadError`, a cancelled wait stops the
+        worker if it started."""
+        try:
+            await boot.ready.wait()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await boot.ready.wait()
+                if isinstance(boot.startup, Started):
+                    boot.startup.worker.stop()
+                await trio.to_thread.run_sync(thread.join)
+            raise
+        if isinstance(boot.startup, Started):
+            return boot.startup
+        await trio.to_thread.run_sync(thread.join)
+        assert isinstance(boot.startup, StartFailed)
+        err = boot.startup.error
+        if isinstance(err, ModelLoadError):
+            raise err
+        raise ModelLoadError(f"could not start the engine: {err}") from err
 
     # -- requests ----------------------------------------------------------------
 
@@ -476,7 +223,7 @@ class Engine:
         first one's and start from a copy of its cache, computing only the
         last prompt token (their usage reports the rest as ``cached_tokens``).
         """
-        return self._stream(_as_request(request), request_id=request_id, profile=profile, group=group,
+        return self._stream(as_request(request), request_id=request_id, profile=profile, group=group,
                             progress=progress)
 
     @asynccontextmanager
@@ -490,17 +237,10 @@ class Engine:
         if profile not in (None, "basic", "extended"):
             raise RequestError("profile must be 'basic' or 'extended'", param="profile")
         request_id = request_id or f"req_{secrets.token_hex(12)}"
-        if request_id in self._inflight:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        self._requests.refuse_duplicate(request_id)
         self._check_room()
-        mailbox = Mailbox()
-        self._serial += 1
-        record = RequestRecord(request_id, JobKey(self._serial), mailbox, time.perf_counter())
-        self._inflight[request_id] = record
-        self._by_key[record.key] = record
-        if group is not None and group != request_id:
-            record.group = group
-            self._groups.setdefault(group, set()).add(request_id)
+        record = self._requests.open(request_id, group)
+        mailbox = record.mailbox
         try:
             job, downgraded = await self._prep.run(self._prepare, request, record, profile, progress,
                                                    cost=request_cost(request))
@@ -522,14 +262,7 @@ class Engine:
             if record.on_thread and self._worker is not None:
                 record.state = RequestState.DROPPED
                 self._worker.drop(record.key)
-            self._inflight.pop(request_id, None)
-            self._by_key.pop(record.key, None)
-            if record.group is not None:
-                members = self._groups.get(record.group)
-                if members is not None:
-                    members.discard(request_id)
-                    if not members:
-                        del self._groups[record.group]
+            self._requests.close(record)
             mailbox.close()
 
     async def complete(self, request: ChatRequest | dict[str, Any], *, request_id: RequestId | None = None,
@@ -549,7 +282,7 @@ class Engine:
         ``count_tokens`` routes count.  Raises :class:`RequestError` as
         :meth:`stream` would for messages the template cannot render.  (A
         :class:`CompletionRequest` gives its raw prompt's ids.)"""
-        req = _as_request(request)
+        req = as_request(request)
         if self._closed or self._tokenizer is None:
             raise EngineClosedError("the engine is not running")
         tokenizer, info = self._tokenizer, self._info()
@@ -597,58 +330,19 @@ class Engine:
         ``unk_token``: text or None), the other plain settings it was loaded with
         (``add_bos_token``, ``clean_up_tokenization_spaces`` ...; no file paths),
         ``model_max_length`` (the context length served) and the chat template."""
-        from .._mlx.tokenizer import hf_tokenizer
-
-        hf = hf_tokenizer(self._running_tokenizer())
-        info = self._info()
-        out: dict[str, Any] = {}
-        for key, value in (getattr(hf, "init_kwargs", None) or {}).items():
-            if key.endswith(("_file", "_path")) or key in ("name_or_path", "chat_template"):
-                continue
-            if value is None or isinstance(value, (str, int, float, bool)):
-                out[key] = value
-            elif isinstance(getattr(value, "content", None), str):  # an AddedToken
-                out[key] = value.content
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            value = getattr(hf, key, None)
-            out[key] = value if isinstance(value, str) else None
-        out.update(tokenizer_class=type(hf).__name__, model_max_length=info.context_length,
-                   chat_template=info.chat_template)
-        return out
+        return tokenizer_info(self._running_tokenizer(), self._info())
 
     async def token_pieces(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (a special token's spelling); raises
         :class:`RequestError` for an id outside the vocabulary.  A piece may
         be part of a UTF-8 character (byte-level and byte-fallback tokens)."""
-        from .._stream.detok_tables import BYTE, RAW, TEXT
-
         tokenizer = self._running_tokenizer()
         tables = self._detok_tables
         assert tables is not None
         self._check_ids(ids)
 
-        def piece(i: int) -> bytes:
-            kind = tables.kinds[i] if i < len(tables.kinds) else None
-            if kind == BYTE:
-                return bytes((tables.bytevals[i],))
-            if kind in (TEXT, RAW) and tables.mode == "byte_level":
-                raw = tables.raws[i]
-                assert raw is not None
-                return raw
-            if kind == TEXT:
-                text = tables.texts[i]
-                assert text is not None
-                return text.encode("utf-8")
-            # a special token (the tables skip them)
-            return str(tokenizer.convert_ids_to_tokens(i) or "").encode("utf-8")
-
         def run(ticket: Ticket) -> list[bytes]:
-            out = []
-            for n, i in enumerate(ids):
-                if n % 4096 == 0:
-                    ticket.check()
-                out.append(piece(i))
-            return out
+            return token_pieces(ids, tokenizer, tables, ticket)
 
         return await self._side_call(run, cost=4 * len(ids))
 
@@ -682,7 +376,7 @@ class Engine:
         pooling = pooling or self.config.embedding_pooling
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
-        items = _embedding_items(inputs)
+        items = embedding_items(inputs)
         self._check_room()
         self._embedding_calls += 1
         try:
@@ -701,64 +395,18 @@ class Engine:
         limit = min(info.vocab_size, len(tokenizer))
 
         def tokenize(ticket: Ticket) -> list[tuple[int, ...]]:
-            out = []
-            for n, item in enumerate(items):
-                ticket.check()
-                param = "input" if len(items) == 1 else f"input[{n}]"
-                if isinstance(item, str):
-                    ids = tuple(encode(tokenizer, item, add_special_tokens=True, check=ticket.check))
-                else:
-                    for i in item:
-                        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < limit:
-                            raise RequestError(f"token id {i!r} is not in the model's vocabulary "
-                                               f"(0-{limit - 1})", param=param)
-                    ids = tuple(item)
-                if not ids:
-                    raise RequestError("an input must not be empty", param=param)
-                if len(ids) > info.context_length:
-                    raise ContextLengthError(
-                        f"input has {len(ids)} tokens, more than the model's context length "
-                        f"({info.context_length})", param=param)
-                out.append(ids)
-            return out
+            return embedding_token_lists(items, tokenizer, info, limit, ticket)
 
         token_lists = await self._prep.run(tokenize, cost=text_cost(items))
-        result = await self._embed_on_thread(worker, token_lists, pooling)
+        if self._closed or worker.fatal is not None:
+            raise EngineClosedError("the engine stopped before the embeddings were computed")
+        result = await embedding_answer(worker, token_lists, pooling, self._embed_waits)
         if isinstance(result, NoHiddenStates):
             raise UnsupportedError(f"this model cannot compute embeddings: {result}", param="model")
         if isinstance(result, BaseException):
             raise GenerationError(f"computing the embeddings failed: {result}",
                                   code="embedding_failed") from result
         return Embeddings(result, tuple(len(t) for t in token_lists), pooling)
-
-    async def _embed_on_thread(self, worker: Worker, token_lists: list[tuple[int, ...]],
-                               pooling: str) -> list[list[float]] | BaseException:
-        """One :class:`Embed` command's answer; cancellable (the thread skips
-        the command if it has not started it)."""
-        if self._closed or worker.fatal is not None:
-            raise EngineClosedError("the engine stopped before the embeddings were computed")
-        trio_token = trio.lowlevel.current_trio_token()
-        arrived = trio.Event()
-        box: list[list[list[float]] | BaseException] = []
-
-        def done(result: list[list[float]] | BaseException) -> None:  # on the generation thread
-            box.append(result)
-            try:
-                trio_token.run_sync_soon(arrived.set)
-            except trio.RunFinishedError:
-                pass
-
-        abandoned = threading.Event()
-        self._embed_waits.add(arrived)
-        try:
-            worker.embed(Embed(tuple(token_lists), pooling, done, abandoned))
-            await arrived.wait()
-        finally:
-            abandoned.set()
-            self._embed_waits.discard(arrived)
-        if not box:
-            raise EngineClosedError("the engine stopped before the embeddings were computed")
-        return box[0]
 
     def _running_tokenizer(self) -> TokenizerWrapper:
         if self._closed or self._tokenizer is None:
@@ -776,35 +424,35 @@ class Engine:
     def cancel(self, request_id: RequestId) -> bool:
         """End an in-flight request with ``finish_reason: "cancelled"``, and
         every request opened with ``group=request_id``; False if none was."""
-        cancelled = self._cancel_one(request_id)
-        for member in sorted(self._groups.get(request_id, ())):
-            cancelled = self._cancel_one(member) or cancelled
-        return cancelled
-
-    def _cancel_one(self, request_id: RequestId) -> bool:
-        record = self._inflight.get(request_id)
-        if record is None:
-            return False
-        if record.state is RequestState.PREPARING:
-            record.state = RequestState.CANCELLED  # ends once preparation returns
-        elif record.state is RequestState.SUBMITTED:
-            record.state = RequestState.CANCELLING
+        def cancel_job(key: JobKey) -> None:
             if self._worker is not None:
-                self._worker.cancel(record.key)
-        else:
-            return False  # already cancelled, finished or dropped
-        return True
+                self._worker.cancel(key)
+
+        return self._requests.cancel(request_id, cancel_job)
+
+    # the registry's tables, by the names the engine had
+    @property
+    def _inflight(self) -> dict[RequestId, RequestRecord]:
+        return self._requests.by_id
+
+    @property
+    def _by_key(self) -> dict[JobKey, RequestRecord]:
+        return self._requests.by_key
+
+    @property
+    def _groups(self) -> dict[RequestId, set[RequestId]]:
+        return self._requests.groups
 
     def statistics(self) -> EngineStatistics:
         w = self._worker
         ws = w.stats if w is not None else WorkerStats()  # not started: every counter 0
         return EngineStatistics(
-            **{name: getattr(ws, name) for name in _WORKER_COUNTERS},
+            **{name: getattr(ws, name) for name in WORKER_COUNTERS},
             waiting=max(len(self._inflight) - ws.running, 0),
             requests_total=self._requests_total,
             requests_active=len(self._inflight),
-            ttft_seconds_sum=self._ttft_sum,
-            ttft_count=self._ttft_count,
+            ttft_seconds_sum=self._requests.ttft_sum,
+            ttft_count=self._requests.ttft_count,
             finished=dict(ws.finished),
             blas=w.blas if w is not None else "",
             embedding_requests=self._embedding_requests,
@@ -821,50 +469,15 @@ class Engine:
     # -- internals -------------------------------------------------------------
 
     async def _warm_up(self) -> None:
-        """See :attr:`EngineConfig.warmup`: requests generating 2 to
-        ``width + 1`` tokens together decode at every width from ``width``
-        down to 1; then every counter starts from zero."""
-        width = min(WARMUP_WIDTH, self.config.max_batch)
-        t0 = time.perf_counter()
-
-        async def one(i: int) -> None:
-            req = ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hello"}],
-                                           "max_tokens": i + 2, "temperature": 0})
-            await self.complete(req, request_id=f"afm-warmup-{i}")
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for i in range(width):
-                    nursery.start_soon(one, i)
-        except Exception as exc:  # noqa: BLE001 - a model that cannot chat still serves
-            log.warning("warm-up skipped: %s", exc)
+        """See :attr:`EngineConfig.warmup` (:func:`.boot.warm_up`); then every counter starts from zero."""
         assert self._worker is not None
-        done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-        self._worker.reset(lambda: token.run_sync_soon(done.set))
-        await done.wait()
-        self._requests_total = 0
-        self._ttft_sum, self._ttft_count = 0.0, 0
-        log.info("warmed up in %.2fs (decode widths 1-%d)", time.perf_counter() - t0, width)
 
-    def _dispatch(self, outputs: Outputs) -> None:
-        """Runs in Trio: deliver one engine step's events."""
-        now = time.perf_counter()
-        for key, (events, finished, scored) in outputs.items():
-            record = self._by_key.get(key)
-            if record is None:
-                continue
-            if scored is not None:
-                record.prompt_logprobs = scored  # before the reader can see the batch
-            if record.t_first is None and (not events or any(type(e) is not PromptProgress for e in events)):
-                # prompt progress comes before the first token: not what time to first token measures
-                record.t_first = now
-                self._ttft_sum += now - record.t_submit
-                self._ttft_count += 1
-            record.mailbox.put(events)
-            if finished:
-                record.state = RequestState.FINISHED
-                record.mailbox.close()  # the reader drains what is there, then sees the end
+        async def complete(request: ChatRequest, request_id: RequestId) -> None:
+            await self.complete(request, request_id=request_id)
+
+        await warm_up(complete, self._worker, min(WARMUP_WIDTH, self.config.max_batch))
+        self._requests_total = 0
+        self._requests.ttft_sum, self._requests.ttft_count = 0.0, 0
 
     def _prepare(self, ticket: Ticket, request: ChatRequest | CompletionRequest, record: RequestRecord,
                  profile: str | None, progress: bool = False) -> tuple[Job, bool]:
@@ -896,68 +509,6 @@ class Engine:
             self._side_calls -= 1
 
 
-_WORKER_COUNTERS = tuple(
-    f.name for f in fields(EngineStatistics)
-    if f.name != "finished" and f.name in {g.name for g in fields(WorkerStats)})
-"""The statistics the generation thread counts (``WorkerStats``), copied by name."""
-
-
-def _load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
-    """The draft model of speculative decoding (on the generation thread),
-    fused like the model; its vocabulary must be the model's."""
-    from .._mlx.fusion import fuse_for_cpu
-    from .._models.loader import load
-    from .._models.resolve import resolve_model
-
-    draft, draft_tokenizer, _ = load(resolve_model(str(spec)))
-    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
-        raise ModelLoadError(f"the draft model {spec} has another vocabulary "
-                             f"({draft_tokenizer.vocab_size} tokens, the model {tokenizer.vocab_size})")
-    if fuse:
-        fuse_for_cpu(draft)
-    return draft
-
-
-def _as_request(request: object) -> ChatRequest | CompletionRequest:
-    """``request`` as an engine request: an OpenAI-style chat dict is validated
-    (:class:`RequestError` when it is not a valid body)."""
-    if isinstance(request, ChatRequest | CompletionRequest):
-        return request
-    if isinstance(request, dict):
-        return ChatRequest.from_openai(request)
-    raise TypeError("request must be a ChatRequest or an OpenAI-style dict (or a CompletionRequest), "
-                    f"not {type(request).__name__}")
-
-
-def request_cost(request: ChatRequest | CompletionRequest) -> int:
-    """What preparing ``request`` costs, in characters (:func:`.lanes.text_cost`):
-    its messages, tools and schema, or its raw prompt."""
-    if isinstance(request, CompletionRequest):
-        return text_cost(request.prompt) + text_cost(request.suffix or "")
-    return text_cost(request.messages) + text_cost(request.tools or ()) + text_cost(request.response_format or {})
-
-
-def _embedding_items(inputs: object) -> list[str | list[int]]:
-    """``Engine.embed``'s ``inputs`` as a list of texts and token-id lists."""
-    if isinstance(inputs, str):
-        return [inputs]
-    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
-        raise RequestError("input must be a string, a list of strings, a list of token ids "
-                           "or a list of token-id lists", param="input")
-    if not inputs:
-        raise RequestError("input must not be empty", param="input")
-    if all(isinstance(i, int) and not isinstance(i, bool) for i in inputs):
-        return [list(inputs)]
-    items: list[str | list[int]] = []
-    for n, item in enumerate(inputs):
-        if isinstance(item, str):
-            items.append(item)
-        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray):
-            items.append(list(item))
-        else:
-            raise RequestError("each input must be a string or a list of token ids",
-                               param=f"input[{n}]")
-    return items
 
 
 @asynccontextmanager

@@ -25,7 +25,7 @@ import math
 
 from quart import Response, request
 
-from afm_core import RequestError, runtime_info
+from afm_core import EngineStatistics, RequestError, runtime_info
 
 from .. import _metrics
 from .._asgi import AFMQuart
@@ -57,10 +57,8 @@ async def health() -> Response:
     config = state.models.config
     if config.kv_bits is not None:  # a quantized KV cache (--kv-bits); absent: float
         several["kv_cache"] = {"bits": config.kv_bits, "group_size": config.kv_group_size}
-    return json_response({"status": status, "model": state.models.default_id,
-                          "running": sum(s.running for s in served),
-                          "waiting": sum(s.waiting for s in served),
-                          "requests_active": sum(s.requests_active for s in served),
+    totals = {name: sum(getattr(s, name) for s in served) for name in EngineStatistics.health_fields()}
+    return json_response({"status": status, "model": state.models.default_id, **totals,
                           "inflight": len(state.inflight),
                           "draining": None if drain is None else drain.to_dict(),
                           "error": failure,
