@@ -112,13 +112,19 @@ class PrefixTiers:
         return cache, rest
 
     def count(self, job: Job, tier: str) -> None:
-        """Count ``job``'s lookup as served by ``tier`` if it got cached tokens, else as a miss."""
+        """Count ``job``'s lookup as served by ``tier`` if it got cached tokens, else
+        as a miss; a hit refreshes the pins on the prefix it read."""
         c = self.counts
         if not job.cached_tokens:
             if self.disk is not None:
                 c.disk_misses += 1
             return
         c.hits += 1
+        read = job.prompt[:job.cached_tokens]  # the pins on what it read hold for their ttl again
+        if self.budget > 0:
+            self.memory.refresh(self.key(job.adapter), read)
+        if self.disk is not None:
+            self.disk.refresh(read, job.adapter)
         if tier == "disk":
             c.disk_hits += 1
         else:

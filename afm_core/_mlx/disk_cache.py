@@ -216,6 +216,7 @@ class DiskPromptCache:
         self.wake = wake
         self.clock: Callable[[], float] = time.monotonic
         self._pins: dict[tuple[int, tuple[int, ...]], float] = {}  # (adapter, prefix) -> expiry
+        self._ttls: dict[tuple[int, tuple[int, ...]], float] = {}  # (adapter, prefix) -> its ttl
         self.stats = DiskStats()
         self._trie = PrefixTrie()
         self._lru: collections.OrderedDict[str, DiskEntry] = collections.OrderedDict()  # oldest use first
@@ -298,12 +299,24 @@ class DiskPromptCache:
             return
         key = (adapter, tuple(tokens))
         self._pins[key] = max(self._pins.get(key, 0.0), self.clock() + ttl)
+        self._ttls[key] = max(self._ttls.get(key, 0.0), ttl)
+
+    def refresh(self, tokens: list[int], adapter: int = 0) -> None:
+        """A request read ``tokens`` from the cache: the live pins on a prefix of them
+        hold for their ttl from now again."""
+        self._held()  # (forgets the expired pins)
+        now = self.clock()
+        for key, expiry in list(self._pins.items()):
+            prefix = key[1]
+            if key[0] == adapter and len(prefix) <= len(tokens) and tuple(tokens[:len(prefix)]) == prefix:
+                self._pins[key] = max(expiry, now + self._ttls.get(key, 0.0))
 
     def _held(self) -> set[str]:
         """The names of the entries holding a live pin (forgetting the expired pins)."""
         now = self.clock()
         for key in [k for k, expiry in self._pins.items() if expiry <= now]:
             del self._pins[key]
+            self._ttls.pop(key, None)
         held: set[str] = set()
         if not self._pins:
             return held

@@ -126,9 +126,15 @@ async def test_breakpoints_are_written_then_read_and_pinned_for_their_ttl(echo_m
         assert plain.cache_creation_input_tokens == 0
         assert plain.input_tokens == total - plain.cache_read_input_tokens
 
+        # a plain read of the pinned prefix 200 s later holds the pin for its ttl from then
+        clock.now += 200
+        refreshed, _ = await ask(SYSTEM, "fifth question")
+        assert refreshed.cache_read_input_tokens >= n_system
+        assert sorted(cache.pins().values()) == [1500.0, 1000.0 + 3600]
+
         clock.now += 301  # the 5-minute pin has expired; the hour's holds
         assert sorted(cache.pins().values()) == [1000.0 + 3600]
-        clock.now += 3600
+        clock.now += 3600 - 200
         assert cache.pins() == {}
         await client.close()
 

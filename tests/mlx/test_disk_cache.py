@@ -318,3 +318,23 @@ def test_pinned_entries_are_evicted_after_the_unpinned_until_their_ttl(tmp_path:
         assert disk.stats.evictions == 3
     finally:
         disk.close()
+
+
+def test_a_read_refreshes_the_pins_on_what_it_read(tmp_path: Path) -> None:
+    now = [100.0]
+    disk = DiskPromptCache(tmp_path, 1 << 30, "fp")
+    disk.clock = lambda: now[0]
+    try:
+        disk.pin([1] * 40, 300.0)
+        disk.pin([1] * 40, 60.0)  # a shorter ttl given later changes neither expiry nor ttl
+        now[0] = 350.0
+        disk.refresh([1] * 30)  # read less than the pinned prefix: no refresh
+        disk.refresh([1] * 40, adapter=1)  # another adapter's read: none either
+        assert disk._pins == {(0, (1,) * 40): 400.0}
+        disk.refresh([1] * 45)  # read all of it (and more): its ttl from now
+        assert disk._pins == {(0, (1,) * 40): 650.0}
+        now[0] = 651.0
+        disk.refresh([1] * 45)  # expired: nothing to refresh, it is forgotten
+        assert disk._pins == {} and disk._ttls == {}
+    finally:
+        disk.close()

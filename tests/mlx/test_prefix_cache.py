@@ -171,3 +171,20 @@ def test_a_pin_is_held_by_its_most_recent_entry_only() -> None:
     # another model's entries never hold it
     cache.insert_cache("other", [1, 2, 6], [_Layer(10)])
     assert [(m, tuple(t)) for m, t in cache._order()] == [("m", (1, 2, 6)), ("other", (1, 2, 6))]
+
+
+def test_a_read_refreshes_the_pins_on_what_it_read() -> None:
+    clock = _Clock()  # 100.0
+    cache = make_prefix_cache(max_size=10, max_bytes=1000, clock=clock)
+    cache.insert_cache("m", [1, 2, 3, 10], [_Layer(100)])
+    cache.pin("m", [1, 2, 3], 300.0)
+    cache.pin("m", [1, 2], 3600.0)
+    clock.now = 350.0
+    cache.refresh("m", [1, 2])  # covers the hour's pin only
+    cache.refresh("x", [1, 2, 3, 10])  # another model (or adapter): nothing
+    assert cache.pins() == {("m", (1, 2, 3)): 400.0, ("m", (1, 2)): 3950.0}
+    cache.refresh("m", [1, 2, 3, 10, 11])
+    assert cache.pins() == {("m", (1, 2, 3)): 650.0, ("m", (1, 2)): 3950.0}
+    clock.now = 651.0
+    cache.refresh("m", [1, 2, 3])
+    assert cache.pins() == {("m", (1, 2)): 4251.0}  # the expired one stays expired; the hour's is read again
