@@ -4,7 +4,8 @@
 # chromium-driver for the chat page's browser tests (tests/ui; selenium comes
 # from the `test` extra), g++-aarch64-linux-gnu and qemu-user for the NEON
 # kernels' check under emulation (tests/mlx/test_qmm_native.py); and, from npm,
-# the Claude Code and Codex CLIs for the agent tests (tests/agents).  It never fails CI:
+# the Claude Code and Codex CLIs and (from PyPI, in its own venv) lm-eval for
+# the agent tests (tests/agents).  It never fails CI:
 # without them those tests skip, saying what is missing.
 set -u
 
@@ -52,6 +53,26 @@ if [ "$(codex --version 2>/dev/null)" != "codex-cli $CODEX_VERSION" ]; then
     fi
 fi
 # --- end Codex CLI ---
+
+# ---- lm-evaluation-harness (tests/agents/test_lm_eval.py) -----------------------
+# Pinned, in a virtual environment of its own (it brings torch: the CPU build
+# from the registry, ~1.6 GB, about a minute), linked onto PATH; as root only.
+LM_EVAL_VERSION=0.4.13
+if ! command -v lm_eval >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v python3 >/dev/null 2>&1; then
+        if python3 -m venv /opt/lm-eval >/dev/null 2>&1 \
+                && timeout 1200 /opt/lm-eval/bin/pip install -q "lm_eval[api]==$LM_EVAL_VERSION" \
+                    "torch==2.13.0" >/dev/null 2>&1 \
+                && ln -sf /opt/lm-eval/bin/lm_eval /usr/local/bin/lm_eval; then
+            echo "deps: installed lm_eval $LM_EVAL_VERSION in /opt/lm-eval" >&2
+        else
+            echo "deps: could not install lm_eval: tests/agents/test_lm_eval.py will skip" >&2
+        fi
+    else
+        echo "deps: lm_eval missing, and not root to install it: tests/agents/test_lm_eval.py will skip" >&2
+    fi
+fi
+# ---- end lm-evaluation-harness ----------------------------------------------------
 
 missing=()
 command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
