@@ -52,13 +52,7 @@ from ..api.chat_request import ChatRequest
 from ..api.completions_request import CompletionRequest
 from .boot import Boot, warm_up
 from .chat_stream import ChatStream, Embeddings
-from .commands import (
-    Job,
-    JobKey,
-    RequestId,
-    RequestRecord,
-    RequestState,
-)
+from .commands import Job, JobKey, RequestId, RequestRecord, RequestState
 from .config import WARMUP_WIDTH, EngineConfig
 from .genthread import Run, run_on_generation_thread
 from .handoff import Handoff, embedding_answer
