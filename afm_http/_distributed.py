@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from ._argtypes import positive_seconds
+from ._argtypes import positive_seconds, seconds_or_zero
 
 if TYPE_CHECKING:  # afm_core is imported when used: ``afm serve --help`` stays quick
     from afm_core import DistributedConfig
@@ -28,12 +28,9 @@ def _seconds_or_never(text: str) -> float | None:
     if text in ("never", "none"):
         return None
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds or 'never'") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a number of seconds >= 0, or 'never'")
-    return value
+        return seconds_or_zero(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'never'") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
