@@ -1,49 +1,7 @@
 """Per-request profiles for ``X-AFM-Profile`` (recorded on the MLX thread).
 
-Fields of ``afm_profile`` (every one measured or derived, never invented):
-
-=====================  ======  ===============================================
-field                  unit    source
-=====================  ======  ===============================================
-prefill_tok_s          tok/s   prompt tokens actually computed (cache misses)
-                               / time from admission to the first token
-decode_tok_s           tok/s   (completion tokens - 1) / time from first to
-                               last token
-ttft_s                 s       submission to first generated token
-queue_s                s       submission to admission by the generation
-                               thread (template, tokenization, waiting for
-                               the step in progress); ttft_s - queue_s is
-                               prefill and the first decode step
-prompt_tokens,         tokens  as in usage
-completion_tokens,
-cached_tokens
-prefix_tier            text    which tier of the prefix cache served the
-                               ``cached_tokens``: ``memory``, ``disk`` (read
-                               back from ``cache_dir``), or null (none)
-memory_weights_gib     GiB     bytes of the model's parameters
-memory_kv_gib          GiB     bytes of this request's KV cache at the end
-                               (estimated from the model's config and
-                               ``kv_bits``)
-kv_bits                bits    bits per element of the KV cache
-                               (``EngineConfig.kv_bits``: 8 or 4, quantized),
-                               or null: float
-memory_active_gib      GiB     ``mx.get_active_memory()`` at the end
-memory_peak_gib        GiB     ``mx.get_peak_memory()`` (process peak)
-chip                   text    Apple chip name, else the CPU model from
-                               /proc/cpuinfo (or platform.processor())
-device                 text    MLX default device (``cpu`` / ``gpu``)
-blas                   text    the BLAS computing MLX's CPU products
-                               (``afm_core._mlx.blas``: openblas, reference,
-                               accelerate)
-batch_size_mean        seqs    mean decode batch size while the request ran
-spec_proposed,         tokens  speculative decoding (``prompt_lookup`` or
-spec_accepted                  ``draft_model``): tokens proposed for this
-                               request and those the model accepted; only
-                               when the engine speculates
-est_bandwidth_gbs      GB/s    (weights + this KV) bytes read per decode step
-                               x decode steps per second; an estimate
-theoretical_bw_gbs     GB/s    only for known Apple chips; omitted elsewhere
-=====================  ======  ===============================================
+Fields of ``afm_profile``: :data:`FIELDS` (each with its unit and source;
+every one measured or derived, never invented).
 
 GPU power fields are omitted: no platform we run on exposes them to us.
 
@@ -62,6 +20,42 @@ from functools import cache
 from typing import Any
 
 GIB = float(1 << 30)
+
+FIELDS: dict[str, tuple[str, str]] = {
+    "prefill_tok_s": ("tok/s", "prompt tokens actually computed (cache misses) / time from admission "
+                               "to the first token"),
+    "decode_tok_s": ("tok/s", "(completion tokens - 1) / time from first to last token"),
+    "ttft_s": ("s", "submission to first generated token"),
+    "queue_s": ("s", "submission to admission by the generation thread (template, tokenization, "
+                     "waiting for the step in progress); ttft_s - queue_s is prefill and the first "
+                     "decode step"),
+    "prompt_tokens": ("tokens", "as in usage"),
+    "cached_tokens": ("tokens", "as in usage"),
+    "prefix_tier": ("text", "which tier of the prefix cache served the cached_tokens: memory, disk "
+                            "(read back from cache_dir), or null (none)"),
+    "completion_tokens": ("tokens", "as in usage"),
+    "memory_weights_gib": ("GiB", "bytes of the model's parameters"),
+    "memory_kv_gib": ("GiB", "bytes of this request's KV cache at the end (estimated from the "
+                             "model's config and kv_bits)"),
+    "kv_bits": ("bits", "bits per element of the KV cache (EngineConfig.kv_bits: 8 or 4, "
+                        "quantized), or null: float"),
+    "memory_active_gib": ("GiB", "mx.get_active_memory() at the end"),
+    "memory_peak_gib": ("GiB", "mx.get_peak_memory() (process peak)"),
+    "chip": ("text", "Apple chip name, else the CPU model from /proc/cpuinfo (or "
+                     "platform.processor())"),
+    "device": ("text", "MLX default device (cpu / gpu)"),
+    "blas": ("text", "the BLAS computing MLX's CPU products (afm_core._mlx.blas: openblas, "
+                     "reference, accelerate); when known"),
+    "spec_proposed": ("tokens", "speculative decoding (prompt_lookup or draft_model): tokens "
+                                "proposed for this request; only when the engine speculates"),
+    "spec_accepted": ("tokens", "of those, the tokens the model accepted"),
+    "batch_size_mean": ("seqs", "mean decode batch size while the request ran"),
+    "est_bandwidth_gbs": ("GB/s", "(weights + this KV) bytes read per decode step x decode steps "
+                                  "per second; an estimate"),
+    "theoretical_bw_gbs": ("GB/s", "only for known Apple chips; omitted elsewhere"),
+}
+"""The fields of ``afm_profile`` (the summary), in the order sent: ``name: (unit,
+where it comes from)``; :meth:`ProfileRecorder.payload` sends no other."""
 
 # Apple unified-memory bandwidths (GB/s) from Apple's published specs.
 _APPLE_BW = {
@@ -199,6 +193,7 @@ class ProfileRecorder:
         bw = _APPLE_BW.get(chip)
         if bw is not None:
             summary["theoretical_bw_gbs"] = bw
+        summary = {name: summary[name] for name in FIELDS if name in summary}  # (FIELDS' order)
         if not self.extended:
             return summary
         return {"summary": summary, "samples": self.samples}
