@@ -52,7 +52,11 @@ from afm_core._mlx import qmatmul as _qmatmul
 
 def load_build(path: str) -> Any:
     """A build of the extension from its .so, loaded the same way whichever it is
-    (afm_core has loaded its own copy already: every worker holds two)."""
+    (afm_core has loaded its own copy already: every worker holds two), or the
+    one afm_core imported if it is that file."""
+    own = _qmatmul.extension()
+    if own is not None and Path(own.__file__).resolve() == Path(path).resolve():
+        return own
     loader = importlib.machinery.ExtensionFileLoader("qmm_ext", path)
     spec = importlib.util.spec_from_file_location("qmm_ext", path, loader=loader)
     assert spec is not None
