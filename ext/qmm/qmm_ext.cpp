@@ -440,9 +440,9 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   const int MQ = M * passes;  // rows of quantized activations
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, xsum;
-  q.resize(static_cast<size_t>(MQ) * K);
-  d.resize(static_cast<size_t>(MQ) * nb);
-  xsum.resize(static_cast<size_t>(MQ) * ng);
+  int8_t* const qa = aligned64(q, static_cast<size_t>(MQ) * K);
+  float* const da = aligned64(d, static_cast<size_t>(MQ) * nb);
+  float* const sa = aligned64(xsum, static_cast<size_t>(MQ) * ng);
   thread_local std::vector<uint32_t> wcopy;
   thread_local std::vector<uint16_t> scopy16, bcopy16;
   thread_local std::vector<float> scopy32, bcopy32;
@@ -462,18 +462,18 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   wt.group = group;
   wt.bits = bits;
   QActs a;
-  a.q = q.data();
-  a.d = d.data();
-  a.xsum = xsum.data();
+  a.q = qa;
+  a.d = da;
+  a.xsum = sa;
   a.M = MQ;
   a.passes = passes;
   a.K = K;
 
   // (the jobs below run on other threads: they must not name the thread_locals)
   const int64_t* offs = offsets.data();
-  int8_t* qp = q.data();
-  float* dp = d.data();
-  float* sp = xsum.data();
+  int8_t* qp = qa;
+  float* dp = da;
+  float* sp = sa;
   if (Sgemm sgemm = find_sgemm(); sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows()) {
     gemm_path(sgemm, xp, offs, ks, M, wt, y);
     return;

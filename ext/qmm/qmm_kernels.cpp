@@ -5,6 +5,7 @@
 // qmm_kernels.h.
 #include "qmm_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -28,8 +29,13 @@ namespace {
 
 float* thread_scratch(size_t n) {
   thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
+  thread_local float* start = nullptr;
+  thread_local size_t have = 0;
+  if (have < n || start == nullptr) {
+    start = aligned64(buf, n);
+    have = n;
+  }
+  return start;
 }
 
 inline float half_to_float(uint16_t h) {

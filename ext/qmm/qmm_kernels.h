@@ -14,8 +14,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace afm_qmm {
+
+// v resized to hold n values from a 64-byte boundary, and that start: the
+// kernels' 256- and 512-bit loads of a buffer so placed never straddle two
+// cache lines (std::vector's 16-byte alignment left that to where the heap
+// put it: the same binary ran 10-25% apart between processes).
+template <typename T>
+T* aligned64(std::vector<T>& v, size_t n) {
+  v.resize(n + 64 / sizeof(T));
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((p + 63) & ~static_cast<uintptr_t>(63));
+}
 
 enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
