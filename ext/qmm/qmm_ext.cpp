@@ -934,8 +934,9 @@ NB_MODULE(qmm_ext, m) {
   m.def("gemm_rows", [] { return afm_qmm::gemm_rows(); },
         "Rows from which products go through sgemm now (0: never).");
   m.def("set_activation_bits", [](int bits) { afm_qmm::g_passes.store(bits <= 8 ? 1 : 2); },
-        "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): int8 plus "
-        "an int8 remainder, two integer products.");
+        "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): the "
+        "precision of int8 plus an int8 remainder (one int16 product on the x86 sets, two int8 "
+        "products elsewhere).");
   m.def("num_threads", [] { return afm_qmm::pool().size(); },
         "Threads of the pool (AFM_QMM_THREADS, default: the physical cores this process may "
         "use, within a cgroup CPU quota, at most 16).");
