@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import UnsupportedError
-from ._hosted import OPENAI_SKIPPED
+from ._hosted import OPENAI_SKIPPED, joined
 from ._validate import (
     err,
     flag,
@@ -144,46 +144,84 @@ def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
 
 
 def _tools(raw: Any) -> tuple[tuple[dict[str, Any], ...] | None, tuple[str, ...]]:
-    """(the function tools, the skipped tool types)."""
+    """(the function tools, the skipped tool types).  A ``namespace`` tool (a group
+    of function tools under a name, as Responses has them: Chat Completions has
+    no such type, but clients translating from Responses send it) is flattened:
+    each function is offered, and called, as ``<namespace>__<name>``
+    (:func:`._hosted.joined`), since a chat tool call has no namespace field."""
     if raw is None:
         return None, ()
     if not isinstance(raw, list):
         raise err("'tools' must be an array", "tools")
-    out = []
-    names = set()
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
     skipped: list[str] = []
     for i, t in enumerate(raw):
         p = f"tools[{i}]"
         if isinstance(t, dict) and t.get("type") in OPENAI_SKIPPED:
             skipped.append(t["type"])  # (custom tools, or a hosted type sent to chat)
             continue
+        if isinstance(t, dict) and t.get("type") == "namespace":
+            out += _namespace(t, p, names, skipped)
+            continue
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise err("each tool must be {'type': 'function', 'function': {...}}", p)
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise err("a tool needs a 'function' object", f"{p}.function")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 256:
-            raise err("a tool needs a function name (1-256 characters)", f"{p}.function.name")
-        if name in names:
-            raise err(f"duplicate tool name {name!r}", f"{p}.function.name")
-        names.add(name)
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise err("'parameters' must be a JSON schema object", f"{p}.function.parameters")
-        desc = fn.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise err("'description' must be a string", f"{p}.function.description")
-        strict = fn.get("strict", False)
-        if not isinstance(strict, bool):
-            raise err("'strict' must be a boolean", f"{p}.function.strict")
-        entry: dict[str, Any] = {"name": name, "parameters": params}
-        if desc is not None:
-            entry["description"] = desc
-        if strict:
-            entry["strict"] = True
-        out.append({"type": "function", "function": entry})
+        out.append(_function(fn, f"{p}.function", names))
     return tuple(out) if out or not skipped else None, tuple(dict.fromkeys(skipped))
+
+
+def _namespace(t: dict[str, Any], p: str, names: set[str], skipped: list[str]) -> list[dict[str, Any]]:
+    """A namespace tool's functions, flattened (its members in the chat form, or
+    in Responses' flat form ``{"type": "function", "name": ...}``)."""
+    space = t.get("name")
+    if not isinstance(space, str) or not 1 <= len(space) <= 128:
+        raise err("a namespace tool needs a 'name' (1-128 characters)", f"{p}.name")
+    members = t.get("tools")
+    if not isinstance(members, list):
+        raise err("a namespace tool needs a 'tools' array", f"{p}.tools")
+    out = []
+    for j, member in enumerate(members):
+        q = f"{p}.tools[{j}]"
+        if isinstance(member, dict) and member.get("type") in OPENAI_SKIPPED:
+            skipped.append(f"{space}.{member.get('name') or member['type']}")
+            continue
+        if not isinstance(member, dict) or member.get("type", "function") != "function":
+            raise err("a namespace holds function tools ('type': 'function')", q)
+        fn = member.get("function")
+        where = f"{q}.function" if isinstance(fn, dict) else q
+        out.append(_function(fn if isinstance(fn, dict) else member, where, names, space))
+    return out
+
+
+def _function(fn: dict[str, Any], p: str, names: set[str], space: str | None = None) -> dict[str, Any]:
+    """One function tool, validated, as the engine takes it (in a namespace:
+    offered as ``space__name``)."""
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or len(name) > 256:
+        raise err("a tool needs a function name (1-256 characters)", f"{p}.name")
+    if space is not None:
+        name = joined(space, name)
+    if name in names:
+        raise err(f"duplicate tool name {name!r}", f"{p}.name")
+    names.add(name)
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise err("'parameters' must be a JSON schema object", f"{p}.parameters")
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise err("'description' must be a string", f"{p}.description")
+    strict = fn.get("strict", False)
+    if not isinstance(strict, bool):
+        raise err("'strict' must be a boolean", f"{p}.strict")
+    entry: dict[str, Any] = {"name": name, "parameters": params}
+    if desc is not None:
+        entry["description"] = desc
+    if strict:
+        entry["strict"] = True
+    return {"type": "function", "function": entry}
 
 
 def _tool_choice(raw: Any, tools: tuple[dict[str, Any], ...] | None) -> str | dict[str, Any]:

@@ -166,3 +166,33 @@ async def test_anthropic_server_tools_are_skipped(echo_model_dir: Path) -> None:
                                          tools=[{"type": "computer_20250124", "name": "computer"}])  # type: ignore[list-item]
         assert "computer_20250124" in str(e.value)
         await client.close()
+
+
+async def test_chat_flattens_namespace_tools(echo_model_dir: Path) -> None:
+    """Chat Completions has no namespace type; a client translating from Responses sends
+    one anyway: its functions are offered and called as ``<namespace>__<name>``."""
+    spawn = {"type": "function", "name": "spawn", "parameters": {"type": "object"}}  # Responses' form
+    wait = {"type": "function", "function": {"name": "wait", "parameters": {"type": "object"}}}  # chat's
+    tools: list[Any] = [{"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+                         "tools": [spawn, wait, {"type": "web_search"}]}]
+    async with running_server(echo_model_dir) as (url, _):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": SPAWN_CALL}], tools=tools)
+        assert raw.headers[SKIPPED] == "multi_agent_v1.web_search"
+        message = raw.parse().choices[0].message
+        call = message.tool_calls[0]  # type: ignore[index]
+        assert (call.function.name, call.function.arguments) == (  # type: ignore[union-attr]
+            "multi_agent_v1__spawn", '{"message": "look"}')
+        # the call goes back as the client got it
+        follow = await client.chat.completions.create(model="m", tools=tools, messages=[
+            {"role": "user", "content": "go"}, message.model_dump(exclude_none=True),  # type: ignore[list-item]
+            {"role": "tool", "tool_call_id": call.id, "content": "spawned"},
+            {"role": "user", "content": "done"}])
+        assert follow.choices[0].message.content == "done"
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                 tools=[{"type": "namespace", "name": "ns", "tools": [{"type": "mcp"},
+                                                         {"type": "nope"}]}])  # type: ignore[list-item]
+        assert e.value.param == "tools[0].tools[1]" and "function tools" in e.value.message
+        await client.close()
