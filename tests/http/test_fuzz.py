@@ -300,7 +300,7 @@ KNOWN = {"messages", "model", "n", "stream", "stream_options", "tools", "tool_ch
          "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "enable_thinking",
          "reasoning_effort", "seed", "top_k", "parallel_tool_calls", "response_format", "temperature",
          "top_p", "min_p", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
-         "logit_bias"}
+         "logit_bias", "adapters"}  # (adapters: mlx_lm.server's LoRA field)
 
 
 @fuzz

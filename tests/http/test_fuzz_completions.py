@@ -259,7 +259,7 @@ def test_field_types_and_ranges(client: httpx.Client, data: st.DataObject, key: 
             assert t == want
 
 
-KNOWN = set(FIELDS) | {"prompt", "logit_bias", "user"}
+KNOWN = set(FIELDS) | {"prompt", "logit_bias", "user", "adapters", "suffix", "stream_options"}
 
 
 @fuzz
