@@ -76,6 +76,7 @@ from .cache_file import (
     read_header,
     write_entry,
 )
+from .pins import Pins
 from .prefix_cache import PrefixTrie, served_prefix
 
 __all__ = ["DiskEntry", "DiskMatch", "DiskPromptCache", "DiskStats", "Loaded", "adapted_fingerprint",
@@ -215,8 +216,7 @@ class DiskPromptCache:
         self._adapter_of = {m: i for i, m in enumerate(self._models)}
         self.wake = wake
         self.clock: Callable[[], float] = time.monotonic
-        self._pins: dict[tuple[int, tuple[int, ...]], float] = {}  # (adapter, prefix) -> expiry
-        self._ttls: dict[tuple[int, tuple[int, ...]], float] = {}  # (adapter, prefix) -> its ttl
+        self._pins = Pins()  # keyed by (adapter, prefix)
         self.stats = DiskStats()
         self._trie = PrefixTrie()
         self._lru: collections.OrderedDict[str, DiskEntry] = collections.OrderedDict()  # oldest use first
@@ -295,33 +295,25 @@ class DiskPromptCache:
     def pin(self, tokens: list[int], ttl: float, adapter: int = 0) -> None:
         """Hold the entries that begin with ``tokens`` (their most recently used
         one) against eviction for ``ttl`` seconds from now."""
-        if not tokens or ttl <= 0:
-            return
-        key = (adapter, tuple(tokens))
-        self._pins[key] = max(self._pins.get(key, 0.0), self.clock() + ttl)
-        self._ttls[key] = max(self._ttls.get(key, 0.0), ttl)
+        self._pins.pin(adapter, tokens, ttl, self.clock())
 
     def refresh(self, tokens: list[int], adapter: int = 0) -> None:
         """A request read ``tokens`` from the cache: the live pins on a prefix of them
         hold for their ttl from now again."""
-        self._held()  # (forgets the expired pins)
-        now = self.clock()
-        for key, expiry in list(self._pins.items()):
-            prefix = key[1]
-            if key[0] == adapter and len(prefix) <= len(tokens) and tuple(tokens[:len(prefix)]) == prefix:
-                self._pins[key] = max(expiry, now + self._ttls.get(key, 0.0))
+        self._pins.refresh(adapter, tokens, self.clock())
+
+    def pins(self) -> dict[tuple[Any, tuple[int, ...]], float]:
+        """The live pins, ``(adapter, prefix) -> expiry`` (the expired ones are forgotten)."""
+        return self._pins.live(self.clock())
 
     def _held(self) -> set[str]:
         """The names of the entries holding a live pin (forgetting the expired pins)."""
-        now = self.clock()
-        for key in [k for k, expiry in self._pins.items() if expiry <= now]:
-            del self._pins[key]
-            self._ttls.pop(key, None)
+        pins = self.pins()
         held: set[str] = set()
-        if not self._pins:
+        if not pins:
             return held
         recent = list(reversed(self._lru.values()))
-        for adapter, prefix in self._pins:
+        for adapter, prefix in pins:
             n = len(prefix)
             for entry in recent:
                 if entry.adapter == adapter and len(entry.tokens) >= n and entry.tokens[:n] == prefix:

@@ -45,6 +45,8 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult, can_trim_prompt_cache
 
+from .pins import Pins
+
 __all__ = ["PinningPromptCache", "PrefixTrie", "make_prefix_cache", "memory_served", "served_prefix"]
 
 _VALUE = "__value__"
@@ -145,35 +147,22 @@ class PinningPromptCache(LRUPromptCache):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.clock = clock
-        self._pins: dict[tuple[Any, tuple[int, ...]], float] = {}  # (model, prefix) -> expiry
-        self._ttls: dict[tuple[Any, tuple[int, ...]], float] = {}  # (model, prefix) -> its ttl
+        self._pins = Pins()  # keyed by (model, prefix)
 
     def pin(self, model: Any, tokens: list[int], ttl: float) -> None:
         """Hold ``tokens`` (a prefix of stored entries) for ``ttl`` seconds from now
         (a pin already held longer keeps its expiry)."""
-        if not tokens or ttl <= 0:
-            return
-        key = (model, tuple(tokens))
-        self._pins[key] = max(self._pins.get(key, 0.0), self.clock() + ttl)
-        self._ttls[key] = max(self._ttls.get(key, 0.0), ttl)
+        self._pins.pin(model, tokens, ttl, self.clock())
 
     def refresh(self, model: Any, tokens: list[int]) -> None:
         """A request read ``tokens`` from the cache: every live pin on a prefix of
         them holds for its ttl from now again (Anthropic's caches are refreshed each
         time they are used)."""
-        now = self.clock()
-        for key, expiry in self.pins().items():
-            prefix = key[1]
-            if key[0] == model and len(prefix) <= len(tokens) and tuple(tokens[:len(prefix)]) == prefix:
-                self._pins[key] = max(expiry, now + self._ttls.get(key, 0.0))
+        self._pins.refresh(model, tokens, self.clock())
 
     def pins(self) -> dict[tuple[Any, tuple[int, ...]], float]:
         """The live pins, ``(model, prefix) -> expiry`` (the expired ones are forgotten)."""
-        now = self.clock()
-        for key in [k for k, expiry in self._pins.items() if expiry <= now]:
-            del self._pins[key]
-            self._ttls.pop(key, None)
-        return dict(self._pins)
+        return self._pins.live(self.clock())
 
     def pinned(self, model: Any, tokens: list[int]) -> bool:
         """Whether the entry ``(model, tokens)`` is the one holding a live pin."""

@@ -330,11 +330,11 @@ def test_a_read_refreshes_the_pins_on_what_it_read(tmp_path: Path) -> None:
         now[0] = 350.0
         disk.refresh([1] * 30)  # read less than the pinned prefix: no refresh
         disk.refresh([1] * 40, adapter=1)  # another adapter's read: none either
-        assert disk._pins == {(0, (1,) * 40): 400.0}
+        assert disk.pins() == {(0, (1,) * 40): 400.0}
         disk.refresh([1] * 45)  # read all of it (and more): its ttl from now
-        assert disk._pins == {(0, (1,) * 40): 650.0}
+        assert disk.pins() == {(0, (1,) * 40): 650.0}
         now[0] = 651.0
         disk.refresh([1] * 45)  # expired: nothing to refresh, it is forgotten
-        assert disk._pins == {} and disk._ttls == {}
+        assert disk.pins() == {} and disk._pins._ttl == {}
     finally:
         disk.close()
