@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-__all__ = ["byte_count", "int_at_least", "port", "positive_seconds", "seconds_or_zero"]
+__all__ = ["byte_count", "int_at_least", "int_or_auto", "port", "positive_seconds", "seconds_or_zero"]
 
 
 def positive_seconds(text: str) -> float:
@@ -48,6 +48,22 @@ def int_at_least(lo: int) -> Callable[[str], int]:
         if value < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}")
         return value
+
+    return parse
+
+
+def int_or_auto(lo: int) -> Callable[[str], int | None]:
+    """An integer at least ``lo``, or ``auto`` (None: the engine decides)."""
+    number = int_at_least(lo)
+
+    def parse(text: str) -> int | None:
+        if text.strip().lower() == "auto":
+            return None
+        try:
+            int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+        return number(text)
 
     return parse
 

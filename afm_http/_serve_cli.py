@@ -32,7 +32,14 @@ import trio
 from afm_core import EngineConfig
 
 from . import _distributed
-from ._argtypes import byte_count, int_at_least, port, positive_seconds, seconds_or_zero
+from ._argtypes import (
+    byte_count,
+    int_at_least,
+    int_or_auto,
+    port,
+    positive_seconds,
+    seconds_or_zero,
+)
 from ._residency import FOREVER, parse_keep_alive
 from ._state import ServerConfig
 
@@ -193,9 +200,11 @@ def _spec_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding (greedy requests get the same tokens, sampled "
                                      "ones the same distribution; grammar, penalties, logit_bias and "
                                      "logprobs apply at every checked position)")
-    spec.add_argument("--prompt-lookup", type=int_at_least(0), default=_ENGINE.prompt_lookup, metavar="N",
+    spec.add_argument("--prompt-lookup", type=int_or_auto(0), default=_ENGINE.prompt_lookup, metavar="N",
                       help="propose up to N tokens per step from an earlier occurrence of the stream's last "
-                           "tokens in its prompt or output, checked by one forward pass (0: off; default: 0)")
+                           "tokens in its prompt or output, checked by one forward pass (0: off; default: "
+                           "auto, 4 for a model of 256 MiB of weights or more, where it paid on chat and "
+                           "code editing alike, else off)")
     spec.add_argument("--draft-model", default=_ENGINE.draft_model, metavar="M",
                       help="a smaller model with the same tokenizer proposes the tokens instead (an mlx-lm "
                            "directory, a .gguf or a hub id; default: none)")

@@ -235,7 +235,7 @@ class EngineConfig:
     by a digest of the adapter's files, so a restart with other weights under
     the same name never reads the old ones).  Names may not hold ``:``.  Not with ``distributed``."""
 
-    prompt_lookup: int = 0
+    prompt_lookup: int | None = None
     """Speculative decoding by prompt lookup: when the last tokens of a
     stream occurred earlier in its prompt or
     output, the tokens that followed them there (at most this many) are
@@ -245,7 +245,11 @@ class EngineConfig:
     distribution (speculative sampling); grammar, penalties and
     ``logit_bias`` apply at every checked position.  Text that repeats its
     prompt (edits of code or a document, quotes, extraction) comes faster.
-    0 (the default) disables it.  See ``spec_max_batch`` and
+    None (the default): automatic, 4 tokens for a model of at least 256 MiB
+    of weights (a verify pass reads the weights once for several tokens,
+    so it paid on chat too), off for smaller ones (where on free text it
+    lost a few percent); see :func:`afm_core._mlx.speculative.auto_lookup_tokens`.
+    0 disables it.  See ``spec_max_batch`` and
     :mod:`afm_core._mlx.speculative`."""
     draft_model: str | Path | None = None
     """A smaller model with the same tokenizer (a path or Hugging Face id)
@@ -289,8 +293,10 @@ class EngineConfig:
         if self.kv_bits is not None and self.distributed is not None:
             # the sharded generator and its followers build float caches of their own
             raise ValueError("kv_bits (a quantized KV cache) cannot be used with distributed")
-        if self.prompt_lookup < 0 or self.draft_tokens < 1 or self.spec_max_batch < 0:
-            raise ValueError("prompt_lookup and spec_max_batch must be >= 0, draft_tokens >= 1")
+        if (self.prompt_lookup is not None and self.prompt_lookup < 0) or self.draft_tokens < 1 \
+                or self.spec_max_batch < 0:
+            raise ValueError("prompt_lookup (or None: automatic) and spec_max_batch must be >= 0, "
+                             "draft_tokens >= 1")
         if self.distributed is not None and self.spec_max_batch and (self.prompt_lookup or self.draft_model):
             raise ValueError("speculative decoding (prompt_lookup, draft_model) cannot be used with distributed")
         if self.cache_disk_bytes < 0:

@@ -249,11 +249,26 @@ class Worker(Admission, Stepping):
         proposer: Proposer
         if self.draft is not None and self.config.draft_tokens > 0:
             proposer, k = DraftModel(self.draft), self.config.draft_tokens
-        elif self.config.prompt_lookup > 0:
-            proposer, k = PromptLookup(), self.config.prompt_lookup
+        elif (k := self._lookup_tokens()) > 0:
+            proposer = PromptLookup()
         else:
             return None
         return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch)
+
+    def _lookup_tokens(self) -> int:
+        """``prompt_lookup``, or when it is None (automatic) the model's default
+        (``speculative.auto_lookup_tokens``: on for models bound by reading
+        their weights), logged."""
+        from .._mlx.speculative import auto_lookup_tokens, weight_bytes
+
+        if self.config.prompt_lookup is not None:
+            return self.config.prompt_lookup
+        if self.config.distributed is not None:
+            return 0
+        k = auto_lookup_tokens(self.model)
+        log.info("prompt lookup: %s (automatic: %d MiB of weights)", f"{k} tokens per step" if k else "off",
+                 weight_bytes(self.model) >> 20)
+        return k
 
     def _wake(self) -> None:
         """(From the disk tier's I/O thread.)  Some disk work is done: an idle

@@ -98,12 +98,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
-__all__ = ["NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup", "Proposer", "Speculation"]
+__all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
+           "Proposer", "Speculation", "auto_lookup_tokens", "weight_bytes"]
 
 NGRAM_MAX = 3
 """Longest suffix :class:`PromptLookup` looks for."""
 NGRAM_MIN = 2
 """Shortest: one token alone matches too often to guess well."""
+
+AUTO_LOOKUP_TOKENS = 4
+"""Tokens prompt lookup proposes per step when it is on by default
+(``EngineConfig.prompt_lookup`` None): :func:`auto_lookup_tokens`."""
+AUTO_LOOKUP_MIN_BYTES = 256 << 20
+"""Weights (bytes) from which prompt lookup is on by default.  A decode step
+of such a model is bound by reading its weights, so a verify pass over a few
+positions, which reads them once, costs little more than one step, and it
+paid on every workload measured, free prose too (``afm bench
+--speculation``: Qwen2.5-Coder 0.5B and 1.5B, chat and code editing).  A
+smaller model's step is mostly per-operation overhead, its verify pass of 5
+positions costs ~1.6 of a step, and on prose (few guesses accepted) it lost
+a few percent (the default model, ``benchmarks/speculative.py``)."""
 
 MAX_REST = 16
 """Most steps a row whose guesses keep missing goes without proposing."""
@@ -128,6 +142,23 @@ def verify_rows() -> int:
     ext = _qmm.extension()
     rows = ext.gemm_rows() if ext is not None else 0
     return rows - 1 if rows > 1 else 1 << 20
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters (quantized weights with their scales
+    and biases): about what one decode step reads."""
+    from mlx.utils import tree_flatten
+
+    leaves: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(int(v.nbytes) for _, v in leaves if isinstance(v, mx.array))
+
+
+def auto_lookup_tokens(model: Any, min_bytes: int | None = None) -> int:
+    """Prompt lookup's tokens per step by default for ``model``:
+    :data:`AUTO_LOOKUP_TOKENS` from ``min_bytes`` (:data:`AUTO_LOOKUP_MIN_BYTES`)
+    of weights on, 0 (off) below."""
+    floor = AUTO_LOOKUP_MIN_BYTES if min_bytes is None else min_bytes
+    return AUTO_LOOKUP_TOKENS if weight_bytes(model) >= floor else 0
 
 
 class Proposer(Protocol):

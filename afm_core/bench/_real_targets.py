@@ -17,8 +17,11 @@ key            name              what
 ``peer``       mlx_lm.server     mlx-lm's own server
 =============  ================  ==================================================
 
-Every afm server runs with its prefix cache off (``--prefix-cache-bytes 0``)
-and ``--max-batch`` the 8-stream phase's width; llama.cpp's caches are off as
+Every afm server runs with its prefix cache off (``--prefix-cache-bytes 0``),
+plain decoding (``--prompt-lookup 0``: prompt lookup, on by default for
+models of 256 MiB or more, is measured against llama.cpp by ``afm bench
+--speculation``, on workloads made for it) and ``--max-batch`` the 8-stream
+phase's width; llama.cpp's caches are off as
 ``_llamacpp`` says.  :func:`open_target` starts one (or loads raw), and
 returns an :class:`Opened` whose ``drive`` runs one level; ``probe_info``
 reads what the target computes with (kernel ISA, BLAS, threads) once it ran.
@@ -132,7 +135,7 @@ def _afm_env(key: str, ctx: TargetContext) -> tuple[tuple[str, str], ...]:
 def _spec_for(key: str, spec: ModelSpec, ctx: TargetContext, port: int, name: str,
               extra: tuple[str, ...]) -> _servers.ServerSpec:
     if key in ("ours", "ours_avx2"):
-        args = ("--prefix-cache-bytes", "0", *ctx.serve_args, *extra)
+        args = ("--prefix-cache-bytes", "0", "--prompt-lookup", "0", *ctx.serve_args, *extra)
         return _servers.ours_spec(spec.afm_model, port, max_batch=ctx.max_batch, extra=args,
                                   name=name, env=_afm_env(key, ctx))
     if key == "peer":

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from afm_core._engine.engine import Engine, open_engine
+from afm_core._mlx import speculative
 from afm_core._mlx.speculative import MAX_REST, PromptLookup, Speculation, lookup
 from afm_core._stream.events import Finish, Profile
 from afm_core.api.chat_request import ChatRequest
@@ -199,6 +200,34 @@ async def test_profile_reports_the_request_s_speculation(echo_all_dir: Path) -> 
         assert "spec_proposed" not in prof
 
 
+async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (``prompt_lookup`` None) a model below
+    ``AUTO_LOOKUP_MIN_BYTES`` of weights decodes plainly; one at or above it
+    speculates with ``AUTO_LOOKUP_TOKENS`` per step; an explicit 0 is off
+    whatever the size."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    model, _ = load(str(echo_all_dir))
+    size = speculative.weight_bytes(model)
+    assert 0 < size < speculative.AUTO_LOOKUP_MIN_BYTES
+    assert size == sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+    assert speculative.auto_lookup_tokens(model) == 0
+    assert speculative.auto_lookup_tokens(model, min_bytes=size) == speculative.AUTO_LOOKUP_TOKENS
+
+    async def proposed(**config: object) -> int:
+        async with open_engine(echo_all_dir, warmup=False, **config) as engine:
+            async with engine.stream(req("la la la la la la la la", max_tokens=24), profile="basic") as s:
+                events = [e async for e in s]
+            return next(e for e in events if isinstance(e, Profile)).payload.get("spec_proposed", 0)
+
+    assert await proposed() == 0
+    monkeypatch.setattr(speculative, "AUTO_LOOKUP_MIN_BYTES", size)
+    assert await proposed() > 0
+    assert await proposed(prompt_lookup=0) == 0
+
+
 def test_config_rejects_bad_settings() -> None:
     from afm_core._engine.config import DistributedConfig, EngineConfig
 
@@ -210,6 +239,7 @@ def test_config_rejects_bad_settings() -> None:
         EngineConfig(prompt_lookup=4, spec_max_batch=1, distributed=DistributedConfig())
     # combined with adapters and a quantized cache (see test_speculative_combined.py)
     EngineConfig(prompt_lookup=4, kv_bits=8)
+    EngineConfig(distributed=DistributedConfig())  # automatic lookup: off when distributed
     EngineConfig(draft_model="d", adapters=(("a", "/x"),))
 
 

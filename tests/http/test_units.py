@@ -185,7 +185,9 @@ def test_speculation_flags_reach_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     default = _engine_config(parser.parse_args([]))
-    assert (default.prompt_lookup, default.draft_model, default.spec_max_batch) == (0, None, 1)
+    assert (default.prompt_lookup, default.draft_model, default.spec_max_batch) == (None, None, 1)  # lookup: auto
+    assert _engine_config(parser.parse_args(["--prompt-lookup", "auto"])).prompt_lookup is None
+    assert _engine_config(parser.parse_args(["--prompt-lookup", "0"])).prompt_lookup == 0
     config = _engine_config(parser.parse_args(["--prompt-lookup", "3", "--draft-model", "d", "--draft-tokens", "2",
                                                "--spec-max-batch", "2"]))
     assert (config.prompt_lookup, config.draft_model, config.draft_tokens, config.spec_max_batch) == (3, "d", 2, 2)
