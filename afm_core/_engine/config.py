@@ -249,6 +249,8 @@ class EngineConfig:
     of weights (a verify pass reads the weights once for several tokens,
     so it paid on chat too), off for smaller ones (where on free text it
     lost a few percent); see :func:`afm_core._mlx.speculative.auto_lookup_tokens`.
+    Automatic lookup leaves sampled requests with a ``seed`` out (they keep
+    the tokens they get without speculation).
     0 disables it.  See ``spec_max_batch`` and
     :mod:`afm_core._mlx.speculative`."""
     draft_model: str | Path | None = None

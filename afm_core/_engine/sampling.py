@@ -80,6 +80,11 @@ class FilteredSampler:
             logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs * (1.0 / self.temp)
 
+    @property
+    def seeded(self) -> bool:
+        """Whether the sampler draws from its own seeded key."""
+        return self._key is not None
+
     def _next_key(self) -> mx.array | None:
         if self._key is None:
             return None

@@ -253,7 +253,9 @@ class Worker(Admission, Stepping):
             proposer = PromptLookup()
         else:
             return None
-        return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch)
+        # asked for, seeded rows speculate too; on by default, they keep their tokens
+        seeded = self.draft is not None or self.config.prompt_lookup is not None
+        return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch, seeded=seeded)
 
     def _lookup_tokens(self) -> int:
         """``prompt_lookup``, or when it is None (automatic) the model's default

@@ -274,6 +274,11 @@ class Speculation:
     """Most tokens proposed per row and step (``k``)."""
     max_batch: int
     """Most decoding rows a step speculates with (see the module docstring)."""
+    seeded: bool = True
+    """Whether rows sampled with a ``seed`` speculate.  Their tokens then depend
+    on which of their steps verify (the other streams, the measured step
+    times), so the automatic default (``EngineConfig.prompt_lookup`` None)
+    leaves them out: a seed gives the same tokens whatever else runs."""
     steps: int = 0
     """Verify steps run."""
     proposed: int = 0
@@ -363,7 +368,8 @@ class Speculation:
             return None
         if not all(type(c) in _TRIMMABLE for c in batch.prompt_cache):
             return None
-        eligible = [_speculates(_sampler(batch, i)) for i in range(n)]
+        eligible = [_speculates(s) and (self.seeded or not getattr(s, "seeded", False))
+                    for s in (_sampler(batch, i) for i in range(n))]
         if not any(eligible):
             return None
         # the rows that propose this step; with none, the plain step runs without

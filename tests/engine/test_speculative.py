@@ -228,6 +228,33 @@ async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: P
     assert await proposed(prompt_lookup=0) == 0
 
 
+async def test_automatic_lookup_leaves_seeded_rows_alone(echo_all_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default (not asked for), prompt lookup leaves sampled rows with a
+    ``seed`` out, so a seed gives the tokens it gives without speculation,
+    while greedy rows speculate; asked for (``prompt_lookup=4``), seeded rows
+    speculate too."""
+    monkeypatch.setattr(speculative, "AUTO_LOOKUP_MIN_BYTES", 0)
+    text = "la la la la la la la la la la"
+
+    async def proposed(engine: Engine, r: ChatRequest) -> tuple[str, int]:
+        async with engine.stream(r, profile="basic") as s:
+            events = [e async for e in s]
+        out = "".join(getattr(e, "text", "") or "" for e in events)
+        return out, next(e for e in events if isinstance(e, Profile)).payload.get("spec_proposed", 0)
+
+    async def run(**config: object) -> tuple[tuple[str, int], int]:
+        async with open_engine(echo_all_dir, warmup=False, **config) as engine:
+            seeded = await proposed(engine, req(text, max_tokens=30, temperature=0.9, seed=11))
+            _, greedy = await proposed(engine, req(text, max_tokens=30))
+            return seeded, greedy
+
+    (plain, _), (auto, auto_greedy), (asked, _) = await run(spec_max_batch=0), await run(), \
+        await run(prompt_lookup=4)
+    assert plain[0] and auto == (plain[0], 0)
+    assert auto_greedy > 0 and asked[1] > 0
+
+
 def test_config_rejects_bad_settings() -> None:
     from afm_core._engine.config import DistributedConfig, EngineConfig
 
