@@ -33,6 +33,7 @@ import trio
 
 from ._errors import ServerStartError
 from ._llamacpp import LLAMACPP
+from ._load import competing_load
 from ._real_models import ModelSpec, resolve_specs
 from ._real_phases import Phase, make_counter, make_long_phase, plan_phases, short_phases
 from ._real_report import build_model_report
@@ -78,6 +79,7 @@ class RealConfig:
     time_budget: float | None = None  # None: four times the estimate, at least 40 min
     startup_timeout: float = 600.0
     threads: int | None = None  # None: afm's default, the physical cores
+    competing_load: int = 0  # processes spinning on the CPU during the phases (_load)
     afm_isa: str = "avx2"
     serve_args: tuple[str, ...] = ()
     peer_args: tuple[str, ...] = ()
@@ -245,7 +247,8 @@ async def run_model(cfg: RealConfig, spec: ModelSpec, log_dir: Path, stopper: St
         with stopper.scope() as scope:
             if opened:
                 phases, source = await _make_phases(cfg, spec, plans, opened)
-                await _rounds(cfg, spec, opened, phases, runs, servers, sequence)
+                async with competing_load(cfg.competing_load):
+                    await _rounds(cfg, spec, opened, phases, runs, servers, sequence)
         if scope.cancelled_caught:
             skipped["stopped"] = stopper.reason or "the run's time budget ran out during this model"
         if opened:
@@ -255,6 +258,7 @@ async def run_model(cfg: RealConfig, spec: ModelSpec, log_dir: Path, stopper: St
     return build_model_report(runs, spec=spec.describe(), phases=[ph.describe() for ph in phases],
                               servers=servers, skipped=skipped,
                               extra={"prompt_counter": source, "threads": threads,
+                                     "competing_load": cfg.competing_load,
                                      "sequence": sequence,
                                      "llamacpp_n_ctx": ctx.n_ctx, "expected_s": est,
                                      "elapsed_s": time.perf_counter() - t0,

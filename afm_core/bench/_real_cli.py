@@ -61,6 +61,9 @@ def add_real_arguments(parser: argparse.ArgumentParser) -> None:
     r("--threads", type=int, default=None,
       help="threads of every target (llama.cpp's n_threads and batch threads; afm's "
            "AFM_BLAS_THREADS and AFM_QMM_THREADS); default: afm's, the physical cores")
+    r("--competing-load", type=int, default=0, metavar="N",
+      help="N processes spinning on the CPU while the phases run (like stress --cpu N), every "
+           "target under the same load: what oversubscription costs (default 0)")
     r("--afm-isa", default="avx2",
       help="the kernels of the ours_avx2 target (AFM_QMM_ISA; default avx2, with "
            "OPENBLAS_CORETYPE=Haswell)")
@@ -128,7 +131,8 @@ def run_real_cli(args: argparse.Namespace) -> int:
         ttft_requests=args.ttft_requests, ttft_max_tokens=args.ttft_max_tokens, seed=args.seed,
         warmup=1 if args.warmup is None else args.warmup, request_timeout=args.request_timeout,
         time_budget=args.time_budget, startup_timeout=args.startup_timeout or 600.0,
-        threads=args.threads, afm_isa=args.afm_isa, serve_args=tuple(args.serve_arg),
+        threads=args.threads, competing_load=args.competing_load, afm_isa=args.afm_isa,
+        serve_args=tuple(args.serve_arg),
         peer_args=tuple(args.peer_arg), llamacpp_py_args=tuple(args.llamacpp_py_arg),
         llamacpp_settings=tuple(args.llamacpp_set))
     report = trio.run(run_real, cfg)

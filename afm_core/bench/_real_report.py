@@ -253,6 +253,9 @@ def format_model(m: dict[str, Any]) -> list[str]:
         lines.append(f"{ph['name']}: {ph.get('title', '')}")
     lines += [f"skipped {name}: {why}" for name, why in m.get("skipped", {}).items()]
     lines += m.get("notes", [])
+    if m.get("competing_load"):
+        lines.append(f"under a competing load: {m['competing_load']} processes spinning on the CPU "
+                     "through every phase (--competing-load)")
     if m.get("loadavg_start"):
         lines.append(f"load average {m['loadavg_start'][0]:.2f} at start, "
                      f"{m.get('loadavg_end', [math.nan])[0]:.2f} at end; "

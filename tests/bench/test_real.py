@@ -225,6 +225,7 @@ def test_afm_targets_are_launched_alike_but_for_the_kernels(tmp_path: Path) -> N
     assert ours.argv == avx2.argv
     argv = list(ours.argv)
     assert argv[argv.index("--prefix-cache-bytes") + 1] == "0"
+    assert argv[argv.index("--prompt-lookup") + 1] == "0"  # plain decoding (--speculation measures lookup)
     assert argv[argv.index("--max-batch") + 1] == "8" and argv[argv.index("--model") + 1] == "/m/x.gguf"
     assert dict(ours.env) == {"AFM_BLAS_THREADS": "3", "AFM_QMM_THREADS": "3"}
     assert dict(avx2.env) == {"AFM_BLAS_THREADS": "3", "AFM_QMM_THREADS": "3",
@@ -278,9 +279,10 @@ def test_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) ->
     rep = _run(["--model", str(random_model_dir), "--targets", "ours,raw,llamacpp", "--rounds", "2",
                 "--decode-tokens", "6", "--decode-requests", "1", "--batch-requests", "8",
                 "--batch-tokens", "4", "--ttft-lengths", "300,100000", "--ttft-requests", "1",
-                "--time-budget", "600"], tmp_path / "real")
+                "--time-budget", "600", "--competing-load", "1"], tmp_path / "real")
     assert len(rep["models"]) == 1 and isinstance(rep["meta"]["env"], dict)
     m = rep["models"][0]
+    assert m["competing_load"] == 1
     assert "no GGUF file" in m["skipped"]["llama.cpp"]
     assert m["targets"] == ["ours", "raw"]
     names = [ph["name"] for ph in m["phases"]]
@@ -307,6 +309,7 @@ def test_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) ->
         assert m["servers"][t]["peak_rss_bytes"] > 0 and m["headline"][t]["peak_rss_mib"] > 0
         assert m["servers"][t]["blas"]["name"]
     assert "ISA / BLAS / threads" in (tmp_path / "real" / "report.txt").read_text()
+    assert "under a competing load: 1 processes" in (tmp_path / "real" / "report.txt").read_text()
     assert (tmp_path / "real" / "report.png").is_file()
 
 

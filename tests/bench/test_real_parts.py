@@ -210,3 +210,31 @@ async def test_target_fields_and_text() -> None:
     assert [r.text for r in kept.requests] == ["Hello!", "Hello!"]
     assert kept.requests[0].timings == {"draft_n": 4, "draft_n_accepted": 3}
     assert plain.requests[0].text is None and plain.requests[0].output_tokens == 3
+
+
+async def test_competing_load_spins_while_the_block_runs_and_stops_after() -> None:
+    """``--competing-load N``: N processes busy on the CPU (CPU time grows) for
+    the block, gone after it, even when the block fails."""
+    import os
+
+    from afm_core.bench._load import competing_load
+
+    def cpu_ticks(pid: int) -> int:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    async with competing_load(0) as none:
+        assert none == []
+    with pytest.raises(RuntimeError):
+        async with competing_load(2) as pids:
+            assert len(set(pids)) == 2
+            if Path(f"/proc/{pids[0]}").exists():  # noqa: ASYNC240 (a stat of procfs)
+                await trio.sleep(0.5)
+                assert all(cpu_ticks(p) > 0 for p in pids)
+            raise RuntimeError("the block failed")
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        async with competing_load(-1):
+            pass
