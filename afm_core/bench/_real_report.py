@@ -254,7 +254,8 @@ def format_model(m: dict[str, Any]) -> list[str]:
     lines += [f"skipped {name}: {why}" for name, why in m.get("skipped", {}).items()]
     lines += m.get("notes", [])
     if m.get("competing_load"):
-        lines.append(f"under a competing load: {m['competing_load']} processes spinning on the CPU "
+        n = m["competing_load"]
+        lines.append(f"under a competing load: {n} process{'es' if n > 1 else ''} spinning on the CPU "
                      "through every phase (--competing-load)")
     if m.get("loadavg_start"):
         lines.append(f"load average {m['loadavg_start'][0]:.2f} at start, "

@@ -309,7 +309,7 @@ def test_end_to_end_on_the_tiny_model(random_model_dir: Path, tmp_path: Path) ->
         assert m["servers"][t]["peak_rss_bytes"] > 0 and m["headline"][t]["peak_rss_mib"] > 0
         assert m["servers"][t]["blas"]["name"]
     assert "ISA / BLAS / threads" in (tmp_path / "real" / "report.txt").read_text()
-    assert "under a competing load: 1 processes" in (tmp_path / "real" / "report.txt").read_text()
+    assert "under a competing load: 1 process spinning" in (tmp_path / "real" / "report.txt").read_text()
     assert (tmp_path / "real" / "report.png").is_file()
 
 
