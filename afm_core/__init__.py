@@ -6,8 +6,10 @@ The public face; implementation modules are private (``_x``).
 from __future__ import annotations
 
 from ._mlx import blas as _blas
+from ._mlx import malloc as _malloc
 from ._mlx import open_files as _open_files
 
+_malloc.tune()  # large buffers go back to the system when freed: see afm_core._mlx.malloc
 _blas.ensure_loaded()  # before anything computes with MLX: see afm_core._mlx.blas
 _open_files.import_mlx_lm()  # before anything else imports mlx-lm: it would lower the open-file limit
 

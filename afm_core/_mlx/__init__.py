@@ -9,7 +9,9 @@ files in mlx-lm's prompt-cache format with a checksum, :mod:`.cache_file`,
 written and read by a background I/O thread), fused CPU kernels and matmul-friendly weights
 (:mod:`.fusion`), the quantized matmul primitive ``qmm_ext``
 (:mod:`.qmatmul`), the optimized BLAS bound under ``libmlx``
-(:mod:`.blas`, loaded first of all by ``import afm_core``), and the Hugging
+(:mod:`.blas`, loaded first of all by ``import afm_core``, after
+glibc's mmap threshold is fixed so freed buffers leave the process:
+:mod:`.malloc`), and the Hugging
 Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (:mod:`.tokenizer`),
 embeddings pooled from the model body's final hidden states
 (:mod:`.embeddings`, which calls mlx-lm's ``model.model``), a quantized KV cache
