@@ -77,7 +77,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Occupancy, install, occupancy
-from .half_cache import to_half
+from .half_cache import DECODE_ROOM, reserve, to_half
 from .lora import AdapterRows
 from .quantized_cache import check_quantizable, make_quantized_cache
 from .speculative import Speculation
@@ -366,6 +366,8 @@ class EngineBatchGenerator(BatchGenerator):
             cache = self.new_cache()
         elif cache is not None and self.kv_half:
             to_half(cache)  # (a prefix cache entry read back from disk is mlx-lm's class)
+        if cache is not None and self.kv_half:  # the prompt's whole length at once, not chunk by chunk
+            reserve(cache, len(all_tokens) + len(prompt) + min(max_tokens, DECODE_ROOM))
         (uid,) = self.insert(
             [prompt], max_tokens=[max_tokens], caches=[cache] if cache is not None else None,
             all_tokens=[all_tokens], samplers=[sampler], logits_processors=[logits_processors],

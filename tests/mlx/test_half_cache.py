@@ -102,3 +102,120 @@ def test_greedy_decoding_close_to_float32(model: Any) -> None:
         assert float(mx.max(mx.abs(a - b))) <= 1e-2 * float(mx.max(mx.abs(a)))
     same = sum(x == y for r, t in zip(ref_tokens, tokens, strict=True) for x, y in zip(r, t, strict=True))
     assert same >= 0.75 * sum(map(len, ref_tokens))
+
+
+def _plain_row(chunks: list[mx.array]) -> Any:
+    row = mlx_cache.KVCache()
+    for k in chunks:
+        row.update_and_fetch(k.astype(mx.float16), (k + 1).astype(mx.float16))
+    return row
+
+
+def test_a_reserved_row_allocates_once_and_holds_what_mlx_lm_holds() -> None:
+    chunks = [mx.random.normal((1, 2, n, 8)) for n in (100, 100, 100, 37)]
+    (row,) = half_cache.to_half([mlx_cache.KVCache()])
+    half_cache.reserve([row, mlx_cache.RotatingKVCache(max_size=8)], 337 + 256)
+    buffers = []
+    for k in chunks:
+        row.update_and_fetch(k, k + 1)
+        buffers.append(row.keys.shape[2])
+    assert buffers == [768] * 4  # 593 rounded up to the 256-position step, from the first chunk on
+    ref = _plain_row(chunks)
+    for got, want in zip(row.keys_and_values(), ref.keys_and_values(), strict=True):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    for _ in range(768 - 337):  # decoding fills the room, then mlx-lm's growth takes over
+        row.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
+    assert row.keys.shape[2] == 768
+    row.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
+    assert row.keys.shape[2] == 1024 and row.offset == 769
+
+
+def test_a_reservation_keeps_a_cached_prefix() -> None:
+    first, rest = mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 300, 8))
+    (row,) = half_cache.to_half([_plain_row([first])])  # a prefix cache entry, then the rest of a prompt
+    half_cache.reserve([row], 340 + 10)
+    row.update_and_fetch(rest, rest + 1)
+    assert row.keys.shape[2] == 512
+    ref = _plain_row([first, rest])
+    for got, want in zip(row.keys_and_values(), ref.keys_and_values(), strict=True):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def _same_batch(got: Any, want: Any) -> None:
+    for a, b in zip(got.keys_and_values(), want.keys_and_values(), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert got.offset.tolist() == want.offset.tolist()
+    assert got.left_padding.tolist() == want.left_padding.tolist()
+
+
+def test_merging_one_row_adopts_its_buffers() -> None:
+    chunk = mx.random.normal((1, 2, 300, 8))
+    (row,) = half_cache.to_half([mlx_cache.KVCache()])
+    half_cache.reserve([row], 300 + 256)
+    row.update_and_fetch(chunk, chunk + 1)
+    keys = row.keys
+    batch = half_cache.KVCache.merge([row])
+    assert batch.keys is keys and batch.keys.shape[2] == 768
+    ref = mlx_cache.BatchKVCache.merge([_plain_row([chunk])])
+    _same_batch(batch, ref)
+    for i in range(5):  # decoding writes into the room, as mlx-lm's batch writes into its own
+        step = mx.full((1, 2, 1, 8), float(i))
+        batch.update_and_fetch(step, step)
+        ref.update_and_fetch(step.astype(mx.float16), step.astype(mx.float16))
+    _same_batch(batch, ref)
+    assert batch.keys.shape[2] == 768
+
+
+def test_merging_rows_leaves_a_step_of_room() -> None:
+    chunks = [mx.random.normal((1, 2, n, 8)) for n in (30, 290)]
+    rows = [half_cache.to_half([_plain_row([c])])[0] for c in chunks]
+    batch = half_cache.KVCache.merge(rows)
+    ref = mlx_cache.BatchKVCache.merge([_plain_row([c]) for c in chunks])
+    _same_batch(batch, ref)
+    assert ref.keys.shape[2] == 290 and batch.keys.shape[2] == 768  # 290 + 256, rounded up
+    step = mx.ones((2, 2, 1, 8))
+    batch.update_and_fetch(step, step)
+    ref.update_and_fetch(step.astype(mx.float16), step.astype(mx.float16))
+    _same_batch(batch, ref)
+    assert batch.keys.shape[2] == 768
+
+
+def test_the_only_rows_extract_is_a_view_the_batch_never_writes_into() -> None:
+    chunk = mx.random.normal((1, 2, 50, 8))
+    (row,) = half_cache.to_half([_plain_row([chunk])])
+    batch = half_cache.BatchKVCache.merge([row])
+    got = batch.extract(0)
+    want = mlx_cache.BatchKVCache.merge([_plain_row([chunk])]).extract(0)
+    assert type(got) is half_cache.KVCache and got.offset == want.offset == 50
+    before = [np.array(x) for x in got.keys_and_values()]
+    np.testing.assert_array_equal(before[0], np.array(want.keys))
+    # the batch goes on: a verify step's trim, then other tokens over the same positions
+    batch.trim(10)
+    batch.update_and_fetch(mx.full((1, 2, 12, 8), 7.0), mx.full((1, 2, 12, 8), 7.0))
+    mx.eval(batch.keys)
+    for a, b in zip(got.keys_and_values(), before, strict=True):
+        np.testing.assert_array_equal(np.array(a), b)
+    two = half_cache.BatchKVCache.merge([half_cache.to_half([_plain_row([chunk])])[0]] * 2)
+    assert two.extract(1).keys.shape == (1, 2, 50, 8)  # several rows: mlx-lm's copy
+
+
+def test_the_generator_reserves_each_prompt_and_decodes_what_it_did_without(model: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [[(i * 7 + s) % 900 + 3 for i in range(n)] for s, n in ((1, 300), (2, 40))]
+    reserved: list[int] = []
+    real = half_cache.reserve
+
+    def spy(cache: list[Any], length: int) -> None:
+        reserved.append(length)
+        real(cache, length)
+
+    monkeypatch.setattr("afm_core._mlx.prefill.reserve", spy)
+    tokens, first = greedy(model, prompts, kv_half=True)
+    assert reserved == [300 + 12, 40 + 12]  # the prompt and max_tokens (12), below a decode step
+    monkeypatch.setattr("afm_core._mlx.prefill.reserve", lambda cache, length: None)
+    monkeypatch.setattr(half_cache.BatchKVCache, "merge",
+                        classmethod(lambda cls, caches: mlx_cache.BatchKVCache.merge.__func__(cls, caches)))
+    plain_tokens, plain_first = greedy(model, prompts, kv_half=True)
+    assert tokens == plain_tokens
+    for a, b in zip(first, plain_first, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
