@@ -18,6 +18,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer: {text!r}") from exc
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names:
@@ -61,7 +71,7 @@ def add_real_arguments(parser: argparse.ArgumentParser) -> None:
     r("--threads", type=int, default=None,
       help="threads of every target (llama.cpp's n_threads and batch threads; afm's "
            "AFM_BLAS_THREADS and AFM_QMM_THREADS); default: afm's, the physical cores")
-    r("--competing-load", type=int, default=0, metavar="N",
+    r("--competing-load", type=_count, default=0, metavar="N",
       help="N processes spinning on the CPU while the phases run (like stress --cpu N), every "
            "target under the same load: what oversubscription costs (default 0)")
     r("--afm-isa", default="avx2",

@@ -238,3 +238,12 @@ async def test_competing_load_spins_while_the_block_runs_and_stops_after() -> No
     with pytest.raises(ValueError, match=">= 0"):
         async with competing_load(-1):
             pass
+
+
+def test_a_negative_competing_load_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from afm_core._cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--real-model", "--competing-load", "-1"])
+    assert exc.value.code == 2
+    assert "--competing-load: must be >= 0" in capsys.readouterr().err
