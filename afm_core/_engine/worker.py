@@ -385,6 +385,8 @@ class Worker(Admission, Stepping):
                 self._flush_early(outputs)
             if outputs:
                 self.post(outputs)
+            if busy and not self.by_key and not self.embeddings:
+                self.mx.clear_cache()  # idle now: MLX's freed buffers go back to the system
             if self.synced:
                 self._run_synced()
 

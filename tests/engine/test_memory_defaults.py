@@ -1,6 +1,7 @@
 """The engine's memory defaults: a float16 KV cache where the model computes
-in float32 and its keys and values fit (``kv_dtype="auto"``), and a prefix
-cache sized to the model (the KV cache of one request filling its context)."""
+in float32 and its keys and values fit (``kv_dtype="auto"``), a prefix
+cache sized to the model (the KV cache of one request filling its context),
+and MLX's cache of freed buffers emptied whenever the engine falls idle."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlx.core as mx
 from afm_core import CompletionRequest, Usage, open_engine
 from afm_core._engine.engine import Engine
 from afm_core._mlx.half_cache import KVCache
+from tests.engine.test_engine import settled
 
 
 def raw(ids: list[int], **kw: object) -> CompletionRequest:
@@ -52,3 +54,13 @@ async def test_the_model_s_type_and_an_explicit_budget(random_model_dir: Path) -
         s = engine.statistics()
         assert s.kv_cache == "the model's type" and s.prefix_cache_budget == 123 << 20
         await drain(engine, raw(list(range(3, 50)), max_tokens=2))
+
+
+async def test_falling_idle_gives_mlx_s_freed_buffers_back(random_model_dir: Path) -> None:
+    async with open_engine(random_model_dir, warmup=False, prefix_cache_bytes=0) as engine:
+        async with engine.stream(raw(list(range(3, 300)), max_tokens=40)) as s:
+            async for _ in s:
+                busy = mx.get_cache_memory()  # the steps' freed buffers, kept for the next ones
+        assert busy > 0
+        await settled(engine)
+        assert mx.get_cache_memory() == 0
