@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .startup import Started, StartFailed, StartUp
 
 if TYPE_CHECKING:
-    from ..api.chat_request import ChatRequest
+    from ..api.completions_request import CompletionRequest
     from .worker import Worker
 
 log = logging.getLogger("afm.engine")
@@ -121,25 +121,30 @@ def load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:
     return draft
 
 
-async def warm_up(complete: Callable[[ChatRequest, str], Awaitable[None]], worker: Worker, width: int) -> None:
+async def warm_up(complete: Callable[[CompletionRequest, str], Awaitable[None]], worker: Worker,
+                  width: int) -> None:
     """Requests generating 2 to ``width + 1`` tokens together (``complete``)
     decode at every width from ``width`` down to 1; then the worker's counters
-    and prefix cache are reset.  A model that cannot chat skips it and still serves."""
-    from ..api.chat_request import ChatRequest
+    and prefix cache are reset.  The requests are raw completions that ignore
+    the end of text (no chat template needed, so a base model warms up too,
+    and every width is reached); a model they fail on skips the rest, logged,
+    and still serves."""
+    from ..api.completions_request import CompletionRequest
 
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:
-        req = ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hello"}],
-                                       "max_tokens": i + 2, "temperature": 0})
+        req = CompletionRequest.from_openai({"max_tokens": i + 2, "temperature": 0, "ignore_eos": True}, "Hello")
         await complete(req, f"afm-warmup-{i}")
 
     try:
         async with trio.open_nursery() as nursery:
             for i in range(width):
                 nursery.start_soon(one, i)
-    except Exception as exc:  # noqa: BLE001 - a model that cannot chat still serves
-        log.warning("warm-up skipped: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - a model the warm-up fails on still serves
+        while isinstance(exc, ExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]  # the first request's own error, not the nursery's wrapper
+        log.warning("warm-up skipped: %s: %s", type(exc).__name__, exc)
     done = trio.Event()
     token = trio.lowlevel.current_trio_token()
     worker.reset(lambda: token.run_sync_soon(done.set))

@@ -466,8 +466,10 @@ class Engine:
         """See :attr:`EngineConfig.warmup` (:func:`.boot.warm_up`); then every counter starts from zero."""
         assert self._worker is not None
 
-        async def complete(request: ChatRequest, request_id: RequestId) -> None:
-            await self.complete(request, request_id=request_id)
+        async def complete(request: CompletionRequest, request_id: RequestId) -> None:
+            async with self.stream(request, request_id=request_id) as s:
+                async for _ in s:
+                    pass
 
         await warm_up(complete, self._worker, min(WARMUP_WIDTH, self.config.max_batch))
         self._requests_total = 0

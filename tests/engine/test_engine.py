@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from afm_core._errors import (
     EngineBusyError,
     EngineClosedError,
     RequestError,
+    UnsupportedError,
 )
 from afm_core._mlx.blas import blas_info
 from afm_core._stream.events import (
@@ -523,3 +525,25 @@ async def test_warm_up_runs_before_start_and_leaves_no_trace(
     async with open_engine(random_model_dir, warmup=False) as engine:
         assert engine.statistics().requests_total == 0
     assert not any("warmed up" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_base_model_without_a_chat_template_warms_up_too(
+        random_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(random_model_dir, base)
+    for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        path = base / name
+        if name == "tokenizer_config.json":
+            config = json.loads(path.read_text())
+            config.pop("chat_template", None)
+            path.write_text(json.dumps(config))
+        elif path.exists():
+            path.unlink()
+    caplog.set_level(logging.INFO, logger="afm.engine")
+    async with open_engine(base) as engine:
+        with pytest.raises(UnsupportedError, match="no chat template"):
+            await engine.complete(ChatRequest.from_openai({"messages": [{"role": "user", "content": "Hi"}]}))
+        assert engine.statistics().requests_total == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("warmed up" in m for m in messages)
+    assert not any("warm-up skipped" in m for m in messages)
