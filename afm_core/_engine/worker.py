@@ -242,7 +242,13 @@ class Worker(Admission, Stepping):
     def _speculation(self) -> Speculation | None:
         """The decode batch's speculative decoding (a draft model if given, else
         prompt lookup), or None."""
-        from .._mlx.speculative import DraftModel, PromptLookup, Proposer, Speculation
+        from .._mlx.speculative import (
+            DraftModel,
+            PromptLookup,
+            Proposer,
+            Speculation,
+            untrimmable_layers,
+        )
 
         if self.config.spec_max_batch <= 0:
             return None
@@ -252,6 +258,12 @@ class Worker(Admission, Stepping):
         elif (k := self._lookup_tokens()) > 0:
             proposer = PromptLookup()
         else:
+            return None
+        if layers := untrimmable_layers(self.model):
+            asked = self.draft is not None or self.config.prompt_lookup is not None
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "speculative decoding off: this model's %s layers (sliding windows, recurrent state) "
+                    "cannot be trimmed back after a verify step", " and ".join(layers))
             return None
         # asked for, seeded rows speculate too; on by default, they keep their tokens
         seeded = self.draft is not None or self.config.prompt_lookup is not None

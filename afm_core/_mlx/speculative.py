@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from . import half_cache
@@ -99,7 +99,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("afm.engine")
 
 __all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
-           "Proposer", "Speculation", "auto_lookup_tokens", "weight_bytes"]
+           "Proposer", "Speculation", "auto_lookup_tokens", "untrimmable_layers", "weight_bytes"]
 
 NGRAM_MAX = 3
 """Longest suffix :class:`PromptLookup` looks for."""
@@ -128,6 +128,14 @@ _STEP_TIMEOUT = 2.0
 
 _TRIMMABLE = (BatchKVCache, BatchQuantizedKVCache, half_cache.BatchKVCache)
 """Batch caches a verify step can trim back."""
+
+
+def untrimmable_layers(model: Any) -> list[str]:
+    """The class names of ``model``'s cache layers a verify step could not
+    trim back (sliding windows, recurrent state: Gemma 3's, say), each once;
+    empty when the model can speculate."""
+    return sorted({type(c).__name__ for c in make_prompt_cache(model)
+                   if type(c) not in (KVCache, QuantizedKVCache)})
 
 
 def verify_rows() -> int:

@@ -4,6 +4,7 @@ greedy tokens as without it, across batch widths, cancel and grammar."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,29 @@ async def test_logprobs_and_seeded_streams_beside_a_speculating_one(random_model
     assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in want], abs=1e-4)
     assert [[x["token"] for x in t["top_logprobs"]] for t in got] == \
         [[x["token"] for x in t["top_logprobs"]] for t in want]
+
+
+def test_sliding_window_layers_are_named_as_untrimmable(echo_all_dir: Path) -> None:
+    from mlx_lm import load
+    from mlx_lm.models import gemma3_text
+
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
+                                 intermediate_size=128, num_attention_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                                 vocab_size=100, num_key_value_heads=1, sliding_window=4, sliding_window_pattern=6)
+    assert speculative.untrimmable_layers(gemma3_text.Model(args)) == ["RotatingKVCache"]
+    assert speculative.untrimmable_layers(load(str(echo_all_dir))[0]) == []
+
+
+async def test_a_model_that_cannot_trim_its_cache_decodes_plainly_and_says_so(
+        echo_all_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Asked for (``prompt_lookup=4``) on a model with sliding-window layers
+    (Gemma 3's), speculation stays off with a warning naming the layers,
+    instead of silently never verifying."""
+    monkeypatch.setattr(speculative, "untrimmable_layers", lambda model: ["RotatingKVCache"])
+    caplog.set_level(logging.INFO, logger="afm.engine")
+    async with open_engine(echo_all_dir, warmup=False, prompt_lookup=4) as engine:
+        async with engine.stream(req("la la la la la la la la", max_tokens=24), profile="basic") as s:
+            events = [e async for e in s]
+    assert next(e for e in events if isinstance(e, Profile)).payload.get("spec_proposed", 0) == 0
+    warned = [r for r in caplog.records if "speculative decoding off" in r.getMessage()]
+    assert warned and warned[0].levelno == logging.WARNING and "RotatingKVCache" in warned[0].getMessage()
