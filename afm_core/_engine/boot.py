@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .._errors import ModelLoadError
+from .._mlx.malloc import trim
 from .._stream.detok import DecoderTables
 from .commands import Outputs
 from .config import EngineConfig
@@ -90,6 +91,7 @@ class Boot:
             model, tokenizer, post=self.post, config=config, model_key=str(self.path),
             adapters=adapters, draft=self._draft)
         worker.setup()
+        trim()  # what loading freed (the tokenizer's parsed JSON) leaves the process
         return Started(worker, tokenizer, tables, info)
 
     def _undo_rewrites(self) -> None:

@@ -56,6 +56,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._mlx.malloc import trim
 from .._stream.events import Event, StreamFailure
 from .admission import Admission
 from .commands import (
@@ -398,7 +399,8 @@ class Worker(Admission, Stepping):
             if outputs:
                 self.post(outputs)
             if busy and not self.by_key and not self.embeddings:
-                self.mx.clear_cache()  # idle now: MLX's freed buffers go back to the system
+                self.mx.clear_cache()  # idle now: MLX's freed buffers go back to the system,
+                trim()  # and the free pages of glibc's heaps (afm_core._mlx.malloc)
             if self.synced:
                 self._run_synced()
 

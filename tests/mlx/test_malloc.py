@@ -5,7 +5,8 @@ after ``import afm_core``, buffers of 8 MiB freed between live small ones (so
 the heap could not shrink past them) leave the resident set where it was
 before they were taken, even after a 16 MiB chunk was freed, the event that
 raises glibc's moving threshold.  A user's own ``MALLOC_MMAP_THRESHOLD_`` and
-``AFM_MALLOC=system`` leave glibc alone.
+``AFM_MALLOC=system`` leave glibc alone.  ``trim`` gives back the pages of
+smaller blocks freed between live ones, which glibc's ``free`` keeps.
 """
 
 from __future__ import annotations
@@ -69,3 +70,48 @@ def test_freed_buffers_leave_the_process() -> None:
 def test_the_users_settings_win() -> None:
     assert not probe(AFM_MALLOC="system")["tuned"]
     assert not probe(MALLOC_MMAP_THRESHOLD_="65536")["tuned"]
+
+
+TRIM_PROBE = r"""
+import ctypes, json
+import afm_core
+from afm_core._mlx import malloc
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) >> 10
+
+def take(n):
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    return p
+
+before = rss()
+small, pins = [], []
+for _ in range(1500):  # what a parser leaves: blocks freed between live ones
+    small.append(take(64 << 10))
+    pins.append(take(16 << 10))
+held = rss()
+for p in small:
+    libc.free(p)
+freed = rss()
+trimmed = malloc.trim()
+print(json.dumps({"trimmed": trimmed, "before": before, "held": held, "freed": freed, "after": rss()}))
+"""
+
+
+def test_trim_gives_the_heaps_free_pages_back() -> None:
+    clean = {k: v for k, v in os.environ.items() if k != "AFM_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], env=clean, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["held"] - got["before"] >= 100  # 1,500 blocks of 64 KiB and their 16 KiB neighbours
+    assert got["freed"] - got["held"] >= -10  # freed between live ones: still resident
+    assert got["trimmed"] and got["freed"] - got["after"] >= 70  # given back, but for the neighbours
+    system = subprocess.run([sys.executable, "-c", TRIM_PROBE], env={**clean, "AFM_MALLOC": "system"},
+                            check=True, capture_output=True, text=True, timeout=120).stdout
+    assert not json.loads(system.strip().splitlines()[-1])["trimmed"]
