@@ -22,8 +22,8 @@ import pytest
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's malloc only")
 
-PROBE = r"""
-import ctypes, json, sys
+PRELUDE = r"""
+import ctypes, json
 import afm_core
 from afm_core._mlx import malloc
 
@@ -39,7 +39,11 @@ def take(n):
     p = libc.malloc(n)
     ctypes.memset(p, 1, n)
     return p
+"""
+"""What both probes start with: a fresh interpreter's ``afm_core``, glibc's
+``malloc`` and ``free``, the resident set in MiB."""
 
+PROBE = PRELUDE + r"""
 libc.free(take(16 << 20))  # glibc's moving threshold would rise to 16 MiB here
 before = rss()
 blocks, pins = [], []
@@ -72,24 +76,7 @@ def test_the_users_settings_win() -> None:
     assert not probe(MALLOC_MMAP_THRESHOLD_="65536")["tuned"]
 
 
-TRIM_PROBE = r"""
-import ctypes, json
-import afm_core
-from afm_core._mlx import malloc
-
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-
-def rss():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) >> 10
-
-def take(n):
-    p = libc.malloc(n)
-    ctypes.memset(p, 1, n)
-    return p
-
+TRIM_PROBE = PRELUDE + r"""
 before = rss()
 small, pins = [], []
 for _ in range(1500):  # what a parser leaves: blocks freed between live ones
