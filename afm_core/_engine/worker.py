@@ -260,15 +260,14 @@ class Worker(Admission, Stepping):
             proposer = PromptLookup()
         else:
             return None
+        asked = self.draft is not None or self.config.prompt_lookup is not None  # (else on by default)
         if layers := untrimmable_layers(self.model):
-            asked = self.draft is not None or self.config.prompt_lookup is not None
             log.log(logging.WARNING if asked else logging.INFO,
                     "speculative decoding off: this model's %s layers (sliding windows, recurrent state) "
                     "cannot be trimmed back after a verify step", " and ".join(layers))
             return None
         # asked for, seeded rows speculate too; on by default, they keep their tokens
-        seeded = self.draft is not None or self.config.prompt_lookup is not None
-        return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch, seeded=seeded)
+        return Speculation(proposer, tokens=k, max_batch=self.config.spec_max_batch, seeded=asked)
 
     def _lookup_tokens(self) -> int:
         """``prompt_lookup``, or when it is None (automatic) the model's default
