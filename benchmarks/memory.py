@@ -12,9 +12,9 @@ in turn (raw token ids, greedy, 8 tokens).  Printed after the engine started
 and after each prompt: the process's resident set (``VmRSS``) and its peak
 (``VmHWM``), and MLX's memory in use (``mx.get_active_memory``: weights and KV
 caches), its cache of freed buffers (``mx.get_cache_memory``) and its peak
-during that prompt (``mx.get_peak_memory``, reset before each).  The KV
-cache a prompt leaves is ``kv`` (float16: the model's layers x 2 x KV heads x
-head size x 2 bytes per token).
+during that prompt (``mx.get_peak_memory``, reset before each).  ``kv`` is
+the KV cache of that prompt's length (``kv_memory.kv_bytes_per_token`` of
+the loaded model, in the engine's KV type).
 
 Memory is not a timing: one run says it (the settings alternate anyway).
 """
@@ -37,26 +37,22 @@ import mlx.core as mx
 import trio
 
 from afm_core import CompletionRequest, Finish, open_engine
+from afm_core._engine.kv_memory import kv_bytes_per_token
+from afm_core.bench._servers import peak_rss_bytes
 
 MIB = 1 << 20
 
 
-def status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def sample(what: str, tokens: int = 0) -> dict[str, object]:
-    return {"what": what, "tokens": tokens, **status(), "active": mx.get_active_memory(),
-            "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
+def sample(what: str, tokens: int = 0, kv: int = 0) -> dict[str, object]:
+    rss = peak_rss_bytes(os.getpid()) or {}
+    return {"what": what, "tokens": tokens, "kv": kv, "VmRSS": rss.get("current", 0), "VmHWM": rss.get("peak", 0),
+            "active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
 
 
 async def child(model: str, prompts: list[int], prefix_cache_bytes: int) -> None:
     async with open_engine(model, prefix_cache_bytes=prefix_cache_bytes) as engine:
+        assert engine._worker is not None
+        per_token = kv_bytes_per_token(engine._worker.model, half=engine.statistics().kv_cache == "float16")
         print(json.dumps(sample("started")), flush=True)
         for n in prompts:
             ids = tuple(100 + (i * 7919 + n) % 20000 for i in range(n))
@@ -66,18 +62,7 @@ async def child(model: str, prompts: list[int], prefix_cache_bytes: int) -> None
                 async for e in s:
                     if isinstance(e, Finish):
                         break
-            print(json.dumps(sample("prompt", n)), flush=True)
-
-
-def kv_per_token(model: Path) -> int:
-    """Float16 KV bytes per token from the model's config (0 if it says too little)."""
-    try:
-        cfg = json.loads((model / "config.json").read_text())
-        heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-        dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return int(cfg["num_hidden_layers"]) * 2 * int(heads) * int(dim) * 2
-    except (OSError, KeyError, ValueError, TypeError):
-        return 0
+            print(json.dumps(sample("prompt", n, n * per_token)), flush=True)
 
 
 def main() -> None:
@@ -94,7 +79,6 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as work:
         model = model_path(args.model, Path(work))
-        per_token = kv_per_token(model) if model.is_dir() else 0
         print(f"model {model}; prompts {prompts}; prefix cache {args.prefix_cache_bytes >> 20} MiB")
         print("| malloc | after | VmRSS MiB | VmHWM MiB | MLX active | MLX cache | MLX peak | kv MiB |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -114,7 +98,7 @@ def main() -> None:
                     continue
                 s = json.loads(line)
                 after = "start" if s["what"] == "started" else f"{s['tokens']} tokens"
-                kv = f"{s['tokens'] * per_token / MIB:.0f}" if per_token and s["tokens"] else ""
+                kv = f"{s['kv'] / MIB:.0f}" if s["kv"] else ""
                 print(f"| {setting} | {after} | {s['VmRSS'] // MIB} | {s['VmHWM'] // MIB} | {s['active'] // MIB} "
                       f"| {s['cache'] // MIB} | {s['peak'] // MIB} | {kv} |")
 
