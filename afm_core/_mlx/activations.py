@@ -8,7 +8,9 @@ its exponential: over a prompt chunk of the default model (2048 positions x
 (``benchmarks/prefill_profile.py``).  ``qmm_ext.swiglu``
 (``ext/qmm/layer_ops.cpp``) computes it with attention's vectorised
 exponential, to a few ulp of the exact value (``tests/mlx/test_activations.py``
-states the bound).
+states the bound).  When ``gate`` and ``up`` are the two outputs of a grouped
+gate/up product (:mod:`.qmm_groups`), the product itself computes the
+activation in its epilogue instead (:func:`.qmm_groups.fused_swiglu`).
 
 :func:`use_fast_swiglu` points the name ``swiglu`` in the modules of a
 model's layers (mlx-lm's ``from .activations import swiglu``) at
@@ -28,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models import activations as _activations
 
 from . import qmatmul as _qmm
+from .qmm_groups import fused_swiglu
 from .reference_ops import ModuleRebinding, kernels_allowed
 
 __all__ = ["restore_swiglu", "swiglu", "use_fast_swiglu"]
@@ -48,7 +51,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     ext = _qmm.extension() if kernels_allowed() else None
     if (ext is not None and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape
             and gate.ndim >= 1 and mx.default_device() == mx.cpu):
-        return cast(_Swiglu, ext).swiglu(gate, x)
+        fused = fused_swiglu(gate, x)  # a grouped gate/up product's two outputs: one operation
+        return fused if fused is not None else cast(_Swiglu, ext).swiglu(gate, x)
     return cast(mx.array, _original(gate, x))
 
 

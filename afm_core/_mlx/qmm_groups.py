@@ -22,12 +22,27 @@ the same one float32 addition), so results are the same bits
 than its siblings computes its own slice of the weights instead, so a model
 that does not call them together stays correct.
 
-``AFM_NO_QMM_GROUPS=1`` leaves the layers apart (for comparisons).
+A SwiGLU MLP's gate/up family goes one step further: mlx-lm computes
+``swiglu(gate_proj(x), up_proj(x))``, and :func:`fused_swiglu` (which
+:func:`afm_core._mlx.activations.swiglu` asks first) recognises the family's
+two outputs of the last product on this thread and returns
+``qmm_ext.quantized_matmul_swiglu`` of the same input instead: the
+activation computed in the product's epilogue, so neither ``gate`` nor ``up``
+is ever a whole array (the two lazy outputs are dropped unevaluated).  On a
+prompt chunk that is two of the MLP's three (tokens x intermediate) float32
+arrays gone; on a decode step one operation fewer per layer.  Same bits as
+the two operations (``tests/mlx/test_qmm_groups.py``).  The family keeps only
+weak references to what it served, so it holds nothing alive.
+
+``AFM_NO_QMM_GROUPS=1`` leaves the layers apart (for comparisons);
+``AFM_NO_QMM_SWIGLU=1`` keeps the grouped product and the activation apart.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -35,18 +50,25 @@ import mlx.nn as nn
 
 from . import qmatmul as _qmm
 
-__all__ = ["SIBLINGS", "group_siblings", "ungroup_siblings"]
+__all__ = ["SIBLINGS", "fused_swiglu", "group_siblings", "ungroup_siblings"]
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Families of a module's children that read the same input (mlx-lm's names)."""
 
 NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
+NO_SWIGLU_ENV = "AFM_NO_QMM_SWIGLU"
+_SWIGLU_FAMILY = ("gate_proj", "up_proj")
+
+_served = threading.local()
+"""``pair``: weak references to the last SwiGLU family's outputs served on
+this thread, their input and the family (MLX work stays on one thread)."""
 
 
 class _Group:
     """One family's concatenated weight and the last product computed with it."""
 
     __slots__ = (
+        "__weakref__",
         "_left",
         "_outs",
         "_x",
@@ -56,10 +78,11 @@ class _Group:
         "members",
         "scales",
         "splits",
+        "swiglu",
         "weight",
     )
 
-    def __init__(self, layers: list[Any]) -> None:
+    def __init__(self, layers: list[Any], swiglu: bool = False) -> None:
         self.weight = mx.concatenate([layer["weight"] for layer in layers], axis=0)
         self.scales = mx.concatenate([layer["scales"] for layer in layers], axis=0)
         self.biases = mx.concatenate([layer["biases"] for layer in layers], axis=0)
@@ -71,6 +94,7 @@ class _Group:
         self._x: mx.array | None = None
         self._outs: list[mx.array] | None = None
         self._left: set[int] = set()
+        self.swiglu = swiglu  # a gate/up family whose product can end in SwiGLU
 
     def bounds(self, index: int) -> tuple[int, int]:
         """Member ``index``'s rows of the family's matrix."""
@@ -96,8 +120,17 @@ class _Group:
         assert outs is not None
         self._left.discard(index)
         if not self._left:  # every member served: hold no activations between calls
+            if self.swiglu and x.dtype == mx.float32:
+                _served.pair = tuple(weakref.ref(o) for o in (outs[0], outs[1], x, self))
             self._x = self._outs = None
         return outs[index]
+
+    def swiglu_product(self, x: mx.array) -> mx.array:
+        """``silu(gate) * up`` of the family's product of ``x``, as one operation."""
+        ext = _qmm.extension()
+        assert ext is not None
+        return ext.quantized_matmul_swiglu(x, self.weight, self.scales, self.biases,
+                                           self.group_size, self.bits)
 
 
 class _GroupedQuantizedLinear(_qmm._FastQuantizedLinear):
@@ -120,6 +153,26 @@ def _groupable(layers: list[Any]) -> bool:
         for layer in layers)
 
 
+def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
+    """``silu(gate) * up`` as one product when ``gate`` and ``up`` are the two
+    outputs a gate/up family served last on this thread (see the module
+    docstring); None otherwise (the caller computes it from the arrays)."""
+    pair = getattr(_served, "pair", None)
+    if pair is None:
+        return None
+    gate_ref, up_ref, x_ref, group_ref = pair
+    x, group = x_ref(), group_ref()
+    if gate_ref() is not gate or up_ref() is not up or x is None or group is None:
+        return None
+    _served.pair = None
+    return group.swiglu_product(x)
+
+
+def _swiglu_family(names: tuple[str, ...], layers: list[Any]) -> bool:
+    return (names == _SWIGLU_FAMILY and not any("bias" in layer for layer in layers)
+            and os.environ.get(NO_SWIGLU_ENV, "") in ("", "0"))
+
+
 def group_siblings(model: nn.Module) -> int:
     """Group ``model``'s sibling projections that run on afm's quantized
     kernels (see the module docstring); returns how many families changed."""
@@ -133,7 +186,7 @@ def group_siblings(model: nn.Module) -> int:
             layers: list[Any] = [layer for layer in found if layer is not None]
             if len(layers) < len(names) or not _groupable(layers):
                 continue
-            group = _Group(layers)
+            group = _Group(layers, swiglu=_swiglu_family(names, layers))
             for index, layer in enumerate(layers):
                 a, b = group.bounds(index)
                 layer["weight"] = group.weight[a:b]

@@ -23,6 +23,8 @@
 //   e^-|g| (attention's exponential, about 2 ulp): 1 / (1 + e^-g) for g >= 0,
 //   e^g / (1 + e^g) below, so neither side overflows; with AVX2 + FMA eight
 //   at a time.
+//   The grouped gate/up product's SwiGLU epilogue (qmm_ext.cpp,
+//   quantized_matmul_swiglu) runs the same row code (swiglu_row): same bits.
 //
 // Float32 only; the Python side (afm_core._mlx.fusion, afm_core._mlx.activations)
 // calls them where they apply and keeps MLX's graph elsewhere.
@@ -183,6 +185,20 @@ void swiglu_row_avx2(const float* g, const float* u, float* o, int64_t n) {
 #endif
 #endif
 
+// One row of n contiguous elements: the code both this operation and the
+// quantized product's SwiGLU epilogue (qmm_ext.cpp, swiglu_row) run, so the two
+// give the same bits for a row; a caller that cuts a row into pieces starts
+// each at a multiple of 8 (the same elements then take the vector path).
+void swiglu_contiguous(const float* g, const float* u, float* o, int64_t n) {
+#if LAYER_X86
+  if (has_avx2()) {
+    swiglu_row_avx2(g, u, o, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) o[i] = silu_times(g[i], u[i]);
+}
+
 void swiglu_compute(const mx::array& g, const mx::array& u, mx::array& out) {
   const int D = g.shape(-1);
   const int64_t rows = D > 0 ? static_cast<int64_t>(g.size() / D) : 0;
@@ -190,22 +206,15 @@ void swiglu_compute(const mx::array& g, const mx::array& u, mx::array& out) {
   const float* up = u.data<float>();
   float* op = out.data<float>();
   const int64_t gs = g.strides(-1), us = u.strides(-1);
-#if LAYER_X86
-  const bool fast = has_avx2() && gs == 1 && us == 1;
-#else
-  const bool fast = false;
-#endif
   for (int64_t r = 0; r < rows; ++r) {
     const float* gr = gp + row_offset(g, r);
     const float* ur = up + row_offset(u, r);
     float* o = op + r * D;
-#if LAYER_X86
-    if (fast) {
-      swiglu_row_avx2(gr, ur, o, D);
-      continue;
+    if (gs == 1 && us == 1) {
+      swiglu_contiguous(gr, ur, o, D);
+    } else {
+      for (int i = 0; i < D; ++i) o[i] = silu_times(gr[i * gs], ur[i * us]);
     }
-#endif
-    for (int i = 0; i < D; ++i) o[i] = silu_times(gr[i * gs], ur[i * us]);
   }
 }
 
@@ -356,6 +365,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
 }
 
 }  // namespace
+
+void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
+  swiglu_contiguous(gate, up, out, n);
+}
 
 void register_layer_ops(nb::module_& m) {
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,

@@ -58,6 +58,9 @@ using namespace nb::literals;
 
 namespace afm_layer {
 void register_layer_ops(nb::module_& m);  // layer_ops.cpp
+// silu(gate) * up over n contiguous elements, as the swiglu operation
+// computes a row (layer_ops.cpp).
+void swiglu_row(const float* gate, const float* up, float* out, int64_t n);
 }
 
 namespace afm_qmm {
@@ -336,29 +339,30 @@ int gemm_rows() {
   return std::strcmp(kernels().name, "avx512-vnni") == 0 ? 64 : 32;
 }
 
-// y (M x N) = x (M x K, rows at offsets) @ dequantize(w).T through sgemm, one
-// tile of output rows at a time.
-void gemm_path(Sgemm sgemm, const float* x, const int64_t* offs, int64_t ks, int M,
-               const QWeights& wt, float* y) {
-  const int K = wt.K, N = wt.N;
-  thread_local std::vector<float> xc, tile;
-  const float* xa = x;
-  bool dense = ks == 1;
-  for (int m = 0; dense && m < M; ++m) dense = offs[m] == static_cast<int64_t>(m) * K;
-  if (!dense) {
-    xc.resize(static_cast<size_t>(M) * K);
-    for (int m = 0; m < M; ++m) {
-      for (int k = 0; k < K; ++k) xc[static_cast<size_t>(m) * K + k] = x[offs[m] + k * ks];
-    }
-    xa = xc.data();
-  }
-  const int tile_rows = std::max(16, std::min(N, (1 << 20) / std::max(K, 1)));  // ~4 MB
-  tile.resize(static_cast<size_t>(tile_rows) * K);
-  for (int n0 = 0; n0 < N; n0 += tile_rows) {
-    const int n1 = std::min(N, n0 + tile_rows);
-    dequantize_rows(wt, n0, n1, tile.data());
+// Weight rows per sgemm call for a product of M rows of K: a tile ~4 MB as
+// float32 and its product with x at most ~4 MB, a multiple of 8.  Every
+// product of (M, K) cuts its columns at the same multiples of it from where
+// it starts, so a member's columns get the same calls (and bits: OpenBLAS's
+// sums depend on the shape of the call) whether computed alone, in a family's
+// split product or in the SwiGLU epilogue's pieces.
+int gemm_tile(int M, int K) {
+  const int rows = std::min((1 << 20) / std::max(K, 1), (1 << 20) / std::max(M, 1));
+  return std::max(16, rows / 8 * 8);
+}
+
+// Columns [n0, n1) of x (M x K, dense) @ dequantize(w).T through sgemm, into
+// y (M rows, `ldy` apart), gemm_tile(M, K) weight rows at a time.
+void gemm_columns(Sgemm sgemm, const float* x, int M, const QWeights& wt, int n0, int n1,
+                  float* y, int ldy) {
+  const int K = wt.K;
+  const int tile_rows = gemm_tile(M, K);
+  thread_local std::vector<float> tile;
+  tile.resize(static_cast<size_t>(std::min(tile_rows, n1 - n0)) * K);
+  for (int t0 = n0; t0 < n1; t0 += tile_rows) {
+    const int t1 = std::min(n1, t0 + tile_rows);
+    dequantize_rows(wt, t0, t1, tile.data());
     // row-major, x not transposed, tile transposed
-    sgemm(101, 111, 112, M, n1 - n0, K, 1.0f, xa, K, tile.data(), K, 0.0f, y + n0, N);
+    sgemm(101, 111, 112, M, t1 - t0, K, 1.0f, x, K, tile.data(), K, 0.0f, y + (t0 - n0), ldy);
   }
 }
 
@@ -408,46 +412,39 @@ const float* float_rows(const mx::array& x, int M, int K, const int64_t* offs, i
   return buf.data();
 }
 
-// y (M x N, float32, dense) = x @ dequantize(w).T
-void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, float* y, int group, int bits) {
-  const int K = x.shape(-1);
-  const int N = w.shape(0);
-  const int M = K > 0 ? static_cast<int>(x.size() / K) : 0;
-  const int nb = K / 32, ng = K / group;
-  if (M == 0 || N == 0) return;
+// The product's operands as the kernels read them: x's rows as dense float32
+// (M x K) and the weight's planes row-contiguous (copies in thread_local
+// buffers where they are not; the pointers hold until this thread's next call).
+struct Operands {
+  const float* x = nullptr;
+  int M = 0;
+  QWeights wt;
+};
 
+Operands operands(const mx::array& x, const mx::array& w, const mx::array& scales,
+                  const mx::array& biases, int group, int bits) {
+  Operands o;
+  const int K = x.shape(-1);
+  o.M = K > 0 ? static_cast<int>(x.size() / K) : 0;
   // row m of x: offsets from the strides of the leading dimensions
   thread_local std::vector<int64_t> offsets;
-  offsets.resize(M);
-  {
-    const int lead = x.ndim() - 1;
-    for (int m = 0; m < M; ++m) {
-      int64_t rem = m, off = 0;
-      for (int ax = lead - 1; ax >= 0; --ax) {
-        const int64_t dim = x.shape(ax);
-        off += (rem % dim) * x.strides(ax);
-        rem /= dim;
-      }
-      offsets[m] = off;
+  offsets.resize(o.M);
+  const int lead = x.ndim() - 1;
+  for (int m = 0; m < o.M; ++m) {
+    int64_t rem = m, off = 0;
+    for (int ax = lead - 1; ax >= 0; --ax) {
+      const int64_t dim = x.shape(ax);
+      off += (rem % dim) * x.strides(ax);
+      rem /= dim;
     }
+    offsets[m] = off;
   }
   thread_local std::vector<float> xbuf;
-  const float* xp = float_rows(x, M, K, offsets.data(), x.strides(-1), xbuf);
-  for (int m = 0; m < M; ++m) offsets[m] = static_cast<int64_t>(m) * K;  // now dense
-  const int64_t ks = 1;
-  const int passes = act_passes();
-  const int MQ = M * passes;  // rows of quantized activations
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, xsum;
-  int8_t* const qa = aligned64(q, static_cast<size_t>(MQ) * K);
-  float* const da = aligned64(d, static_cast<size_t>(MQ) * nb);
-  float* const sa = aligned64(xsum, static_cast<size_t>(MQ) * ng);
+  o.x = float_rows(x, o.M, K, offsets.data(), x.strides(-1), xbuf);
   thread_local std::vector<uint32_t> wcopy;
   thread_local std::vector<uint16_t> scopy16, bcopy16;
   thread_local std::vector<float> scopy32, bcopy32;
-
-  QWeights wt;
+  QWeights& wt = o.wt;
   wt.w = reinterpret_cast<const uint8_t*>(contiguous_2d<uint32_t>(w, wcopy));
   wt.scale_type = scale_type(scales.dtype());
   if (wt.scale_type == ScaleType::f32) {
@@ -457,10 +454,35 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     wt.scales = contiguous_2d<uint16_t>(scales, scopy16);
     wt.biases = contiguous_2d<uint16_t>(biases, bcopy16);
   }
-  wt.N = N;
+  wt.N = w.shape(0);
   wt.K = K;
   wt.group = group;
   wt.bits = bits;
+  return o;
+}
+
+// The process's sgemm when a product of M rows goes through it, else null.
+Sgemm sgemm_for(int M) {
+  Sgemm sgemm = find_sgemm();
+  return sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows() ? sgemm : nullptr;
+}
+
+// y (M x N, float32, dense) = x @ dequantize(w).T on the integer kernels.
+void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
+  const int K = wt.K, N = wt.N, group = wt.group, bits = wt.bits;
+  const int nb = K / 32, ng = K / group;
+  if (M == 0 || N == 0) return;
+  thread_local std::vector<int64_t> dense;
+  dense.resize(M);
+  for (int m = 0; m < M; ++m) dense[m] = static_cast<int64_t>(m) * K;
+  const int64_t ks = 1;
+  const int passes = act_passes();
+  const int MQ = M * passes;  // rows of quantized activations
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, xsum;
+  int8_t* const qa = aligned64(q, static_cast<size_t>(MQ) * K);
+  float* const da = aligned64(d, static_cast<size_t>(MQ) * nb);
+  float* const sa = aligned64(xsum, static_cast<size_t>(MQ) * ng);
   QActs a;
   a.q = qa;
   a.d = da;
@@ -470,14 +492,10 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   a.K = K;
 
   // (the jobs below run on other threads: they must not name the thread_locals)
-  const int64_t* offs = offsets.data();
+  const int64_t* offs = dense.data();
   int8_t* qp = qa;
   float* dp = da;
   float* sp = sa;
-  if (Sgemm sgemm = find_sgemm(); sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows()) {
-    gemm_path(sgemm, xp, offs, ks, M, wt, y);
-    return;
-  }
   const KernelSet& ks_set = kernels();
 
   Pool& p = pool();
@@ -547,17 +565,74 @@ void write_columns(const float* y, int M, int N, int start, int n, const mx::arr
   }
 }
 
+// out[m, :] (float32, M x n) += bias, the one float32 addition MLX's own add
+// would make (write_columns' arithmetic, in place).
+void add_bias(float* out, int M, int n, const mx::array& bias) {
+  thread_local std::vector<float> bf;
+  bf.resize(n);
+  for (int j = 0; j < n; ++j) {
+    const int64_t at = static_cast<int64_t>(j) * bias.strides(0);
+    bf[j] = bias.data<float>()[at];
+  }
+  for (int m = 0; m < M; ++m) {
+    float* row = out + static_cast<size_t>(m) * n;
+    for (int j = 0; j < n; ++j) row[j] = row[j] + bf[j];
+  }
+}
+
+// silu(x @ gate.T) * (x @ up.T) into out (M x I, float32), w's rows being
+// gate's I then up's I: the grouped gate/up product of a SwiGLU MLP with the
+// activation as its epilogue, so neither half is ever a whole array.  Each
+// output element is the bits of swiglu(gate, up) on the product's two
+// outputs: the same per-element product (sgemm's or the integer kernels'),
+// then afm_layer::swiglu_row on pieces that start at multiples of 8.
+void swiglu_product(const Operands& o, float* out) {
+  const int M = o.M, N = o.wt.N, I = N / 2, K = o.wt.K;
+  if (M == 0 || I == 0) return;
+  if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr) {
+    // pieces of gemm_tile's width of gate and up columns (the calls the split
+    // product makes), their two products side by side
+    const int width = gemm_tile(M, K);
+    thread_local std::vector<float> pair;
+    pair.resize(static_cast<size_t>(M) * 2 * std::min(width, I));
+    for (int j0 = 0; j0 < I; j0 += width) {
+      const int j1 = std::min(I, j0 + width), n = j1 - j0;
+      gemm_columns(sgemm, o.x, M, o.wt, j0, j1, pair.data(), 2 * n);
+      gemm_columns(sgemm, o.x, M, o.wt, I + j0, I + j1, pair.data() + n, 2 * n);
+      for (int m = 0; m < M; ++m) {
+        const float* g = pair.data() + static_cast<size_t>(m) * 2 * n;
+        afm_layer::swiglu_row(g, g + n, out + static_cast<size_t>(m) * I + j0, n);
+      }
+    }
+    return;
+  }
+  // the integer kernels: blocks of rows, each block's whole product (a block
+  // is a decode step's few rows; more only with sgemm turned off)
+  constexpr int kBlock = 64;
+  thread_local std::vector<float> ybuf;
+  ybuf.resize(static_cast<size_t>(std::min(M, kBlock)) * N);
+  for (int m0 = 0; m0 < M; m0 += kBlock) {
+    const int rows = std::min(M, m0 + kBlock) - m0;
+    integer_product(o.x + static_cast<size_t>(m0) * K, rows, o.wt, ybuf.data());
+    for (int m = 0; m < rows; ++m) {
+      const float* y = ybuf.data() + static_cast<size_t>(m) * N;
+      afm_layer::swiglu_row(y, y + I, out + static_cast<size_t>(m0 + m) * I, I);
+    }
+  }
+}
+
 // x @ dequantize(w).T as one or more outputs: output i is the columns
 // [offset_i, offset_i + splits[i]) of the product, plus bias i where given
 // (sibling projections of one input computed as one product, each member's
 // columns in an array of its own: no slice operations, no view keeping the
-// whole product alive).
+// whole product alive); or, `swiglu`, the one output silu(first half) *
+// (second half) (swiglu_product).
 class AfmQuantizedMatmul : public mx::Primitive {
  public:
   AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
-                     std::vector<bool> has_bias)
+                     std::vector<bool> has_bias, bool swiglu = false)
       : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
-        has_bias_(std::move(has_bias)) {}
+        has_bias_(std::move(has_bias)), swiglu_(swiglu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) afm_cpu::allocate(o);
@@ -566,8 +641,14 @@ class AfmQuantizedMatmul : public mx::Primitive {
     for (const auto& o : outputs) weak_out.push_back(mx::array::unsafe_weak_copy(o));
     afm_cpu::dispatch(stream(), inputs, outputs,
                       [in = std::move(weak_in), out = std::move(weak_out), group = group_,
-                       bits = bits_, splits = splits_, has_bias = has_bias_]() mutable {
-                        run(in, out, group, bits, splits, has_bias);
+                       bits = bits_, splits = splits_, has_bias = has_bias_,
+                       swiglu = swiglu_]() mutable {
+                        if (swiglu) {
+                          swiglu_product(operands(in[0], in[1], in[2], in[3], group, bits),
+                                         out[0].data<float>());
+                        } else {
+                          run(in, out, group, bits, splits, has_bias);
+                        }
                       });
   }
 
@@ -575,11 +656,14 @@ class AfmQuantizedMatmul : public mx::Primitive {
     throw std::runtime_error("afm qmm: this primitive runs on the CPU only");
   }
 
-  const char* name() const override { return "AfmQuantizedMatmul"; }
+  const char* name() const override {
+    return swiglu_ ? "AfmQuantizedSwiglu" : "AfmQuantizedMatmul";
+  }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ && has_bias_ == o.has_bias_;
+    return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ &&
+           has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -595,9 +679,23 @@ class AfmQuantizedMatmul : public mx::Primitive {
  private:
   static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, int group, int bits,
                   const std::vector<int>& splits, const std::vector<bool>& has_bias) {
-    const mx::array& x = in[0];
-    const int K = x.shape(-1), N = in[1].shape(0);
-    const int M = K > 0 ? static_cast<int>(x.size() / K) : 0;
+    const Operands o = operands(in[0], in[1], in[2], in[3], group, bits);
+    const int M = o.M, N = o.wt.N;
+    if (M == 0) return;
+    bool all_f32 = true;
+    for (const auto& a : out) all_f32 = all_f32 && a.dtype() == mx::float32;
+    if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr && all_f32) {
+      // each member's columns straight into its own output, its bias added there
+      int start = 0;
+      size_t next_bias = 4;
+      for (size_t i = 0; i < splits.size(); ++i) {
+        float* y = out[i].data<float>();
+        gemm_columns(sgemm, o.x, M, o.wt, start, start + splits[i], y, splits[i]);
+        if (has_bias[i]) add_bias(y, M, splits[i], in[next_bias++]);
+        start += splits[i];
+      }
+      return;
+    }
     const bool direct = splits.size() == 1 && !has_bias[0] && out[0].dtype() == mx::float32;
     thread_local std::vector<float> ybuf;
     float* y = out[0].data<float>();
@@ -605,8 +703,12 @@ class AfmQuantizedMatmul : public mx::Primitive {
       ybuf.resize(static_cast<size_t>(M) * N);
       y = ybuf.data();
     }
-    compute(x, in[1], in[2], in[3], y, group, bits);
-    if (direct || M == 0) return;
+    if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr) {
+      gemm_columns(sgemm, o.x, M, o.wt, 0, N, y, N);
+    } else {
+      integer_product(o.x, M, o.wt, y);
+    }
+    if (direct) return;
     int start = 0;
     size_t next_bias = 4;
     for (size_t i = 0; i < splits.size(); ++i) {
@@ -619,12 +721,12 @@ class AfmQuantizedMatmul : public mx::Primitive {
   int group_, bits_;
   std::vector<int> splits_;
   std::vector<bool> has_bias_;
+  bool swiglu_;
 };
 
-std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::array& w,
-                                              const mx::array& scales, const mx::array& biases,
-                                              int group_size, int bits, std::vector<int> splits,
-                                              const std::vector<std::optional<mx::array>>& bias) {
+// The checks every product makes of its operands; the CPU stream it runs on.
+mx::Stream checked_stream(const mx::array& x, const mx::array& w, const mx::array& scales,
+                          const mx::array& biases, int group_size, int bits) {
   if (bits < 2 || bits > 8 || bits == 7) {
     throw std::invalid_argument("afm qmm: bits must be 2, 3, 4, 5, 6 or 8");
   }
@@ -653,6 +755,16 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
   if (out_type != mx::float32 && out_type != mx::float16 && out_type != mx::bfloat16) {
     throw std::invalid_argument("afm qmm: x must be float32, float16 or bfloat16");
   }
+  return stream;
+}
+
+std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::array& w,
+                                              const mx::array& scales, const mx::array& biases,
+                                              int group_size, int bits, std::vector<int> splits,
+                                              const std::vector<std::optional<mx::array>>& bias) {
+  const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
+  const int N = w.shape(0);
+  const mx::Dtype out_type = x.dtype();
   if (splits.empty()) splits.push_back(N);
   int total = 0;
   for (int n : splits) {
@@ -684,6 +796,24 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias), inputs);
+}
+
+// silu(x @ gate.T) * (x @ up.T), w (and its scales and biases) being gate's
+// rows then up's: one float32 output of half w's rows.
+mx::array quantized_matmul_swiglu(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, int group_size, int bits) {
+  const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
+  if (x.dtype() != mx::float32) throw std::invalid_argument("afm qmm: swiglu: x must be float32");
+  if (w.shape(0) % 2 != 0) {
+    throw std::invalid_argument("afm qmm: swiglu: w must have an even number of rows (gate, up)");
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0) / 2;
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits,
+                                                        std::vector<int>{w.shape(0) / 2},
+                                                        std::vector<bool>{false}, true),
+                   {x, w, scales, biases});
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -897,6 +1027,11 @@ NB_MODULE(qmm_ext, m) {
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
         "quantized_matmul as one array per split: output i is the next splits[i] columns of "
         "the product, plus bias[i] where it is not None (1-D, x's dtype)");
+  m.def("quantized_matmul_swiglu", &afm_qmm::quantized_matmul_swiglu, "x"_a, "w"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a,
+        "silu(x @ gate.T) * (x @ up.T) for w = gate's rows then up's (a SwiGLU MLP's grouped "
+        "gate/up projections), float32: the bits of swiglu() on quantized_matmul_split's two "
+        "outputs, without either of them as an array");
   afm_layer::register_layer_ops(m);
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false,

@@ -169,3 +169,112 @@ def test_biases_added_by_the_grouped_product(bits, monkeypatch):
     assert ops["Add"] == plain["Add"] - 3 * 2
     assert ops["Slice"] <= plain["Slice"]
     assert ops["AfmQuantizedMatmul"] == 2 * 4 + 1  # q/k/v, o, gate/up, down; the head
+
+
+def _quantized_pair(rows, cols, bits, scale_dtype=mx.float32, seed=3):
+    """A gate/up family's concatenated weight (``rows`` of each half) as the kernels take it."""
+    mx.random.seed(seed)
+    wq, scales, biases = mx.quantize(mx.random.normal((2 * rows, cols)) * 0.2, 32, bits)
+    return wq, scales.astype(scale_dtype), biases.astype(scale_dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("rows", [1, 5, 40, 64, 1100])
+def test_the_swiglu_epilogue_is_the_bits_of_swiglu_on_the_two_outputs(bits, rows):
+    """Decode-sized inputs (the integer kernels), prompt-sized ones (sgemm,
+    1,100 rows: the columns in several pieces) and float16 scales."""
+    ext = _qmatmul.extension()
+    for scale_dtype in (mx.float32, mx.float16):
+        wq, scales, biases = _quantized_pair(1024, 128, bits, scale_dtype)
+        x = mx.random.normal((rows, 128))
+        gate, up = ext.quantized_matmul_split(x, wq, scales, biases, 32, bits, [1024, 1024])
+        fused = ext.quantized_matmul_swiglu(x, wq, scales, biases, 32, bits)
+        assert fused.shape == (rows, 1024)
+        assert np.array_equal(np.array(fused), np.array(ext.swiglu(gate, up)))
+        # leading axes and a strided input, as a model's (B, L, K) activations
+        x3 = mx.random.normal((2, 128, rows)).transpose(0, 2, 1)
+        gate, up = ext.quantized_matmul_split(x3, wq, scales, biases, 32, bits, [1024, 1024])
+        fused = ext.quantized_matmul_swiglu(x3, wq, scales, biases, 32, bits)
+        assert fused.shape == (2, rows, 1024)
+        assert np.array_equal(np.array(fused), np.array(ext.swiglu(gate, up)))
+
+
+@needs_ext
+def test_the_swiglu_epilogue_refuses_what_it_cannot_compute():
+    ext = _qmatmul.extension()
+    wq, scales, biases = _quantized_pair(64, 128, 4)
+    with pytest.raises(ValueError, match="x must be float32"):
+        ext.quantized_matmul_swiglu(mx.zeros((2, 128), mx.float16), wq, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="even number of rows"):
+        ext.quantized_matmul_swiglu(mx.zeros((2, 128)), wq[:127], scales[:127], biases[:127],
+                                    32, 4)
+    with pytest.raises(ValueError, match="last dimension"):
+        ext.quantized_matmul_swiglu(mx.zeros((2, 64)), wq, scales, biases, 32, 4)
+
+
+def _fused_model(tmp_path, monkeypatch, fused):
+    from afm_core._mlx.fusion import fuse_cpu_kernels
+
+    if not fused:
+        monkeypatch.setenv(qmm_groups.NO_SWIGLU_ENV, "1")
+    model = _model(tmp_path)
+    fuse_cpu_kernels(model)
+    monkeypatch.delenv(qmm_groups.NO_SWIGLU_ENV, raising=False)
+    return model
+
+
+def _long_logits(model):
+    """A prompt past the rows from which products go through sgemm, then decode steps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([[(7 * i) % 500 + 3 for i in range(90)]]), cache=cache)]
+    for token in (42, 7, 300):
+        out.append(model(mx.array([[token]]), cache=cache))
+    mx.eval(out)
+    return [np.array(o) for o in out]
+
+
+@needs_ext
+def test_a_swiglu_mlp_takes_the_epilogue_with_the_same_logits(tmp_path, monkeypatch):
+    """mlx-lm's MLP (``down(swiglu(gate(x), up(x)))``) on the fused kernels:
+    one product per MLP instead of a product and a SwiGLU, the logits the same
+    bits as with the two operations."""
+    from afm_core._mlx.fusion import unfuse_cpu_kernels
+
+    apart = _fused_model(tmp_path, monkeypatch, fused=False)
+    model = _fused_model(tmp_path, monkeypatch, fused=True)
+    for a, b in zip(_long_logits(model), _long_logits(apart), strict=True):
+        assert np.array_equal(a, b)
+    ops, ops_apart = _ops(model), _ops(apart)
+    assert ops["AfmQuantizedSwiglu"] == 2 and "AfmSwiglu" not in ops  # one per layer
+    assert ops_apart["AfmSwiglu"] == 2 and "AfmQuantizedSwiglu" not in ops_apart
+    assert sum(ops.values()) == sum(ops_apart.values()) - 2
+    unfuse_cpu_kernels(model)  # mlx-lm's functions back: the epilogue with them
+    assert "AfmQuantizedSwiglu" not in _ops(model)
+
+
+@needs_ext
+def test_the_epilogue_only_for_the_familys_own_outputs_and_nothing_held(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from afm_core._mlx.activations import swiglu
+
+    model = _fused_model(tmp_path, monkeypatch, fused=True)
+    mlp = model.model.layers[0].mlp
+    x = mx.random.normal((1, 3, 128))
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    other = up + 0  # not the family's output: the SwiGLU of the arrays given
+    assert qmm_groups.fused_swiglu(gate, other) is None
+    ref = np.array(swiglu(gate, other))
+    fused = swiglu(gate, up)
+    assert np.array_equal(np.array(fused), ref)  # up + 0 is up's bits
+    assert qmm_groups.fused_swiglu(gate, up) is None  # taken once: the pair is spent
+    # what the family served last is only weakly referenced
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    probe = weakref.ref(x)
+    del gate, up, x, other, fused
+    gc.collect()
+    assert probe() is None
