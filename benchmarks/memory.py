@@ -14,9 +14,13 @@ and after each prompt: the process's resident set (``VmRSS``) and its peak
 caches), its cache of freed buffers (``mx.get_cache_memory``) and its peak
 during that prompt (``mx.get_peak_memory``, reset before each).  ``kv`` is
 the KV cache of that prompt's length (``kv_memory.kv_bytes_per_token`` of
-the loaded model, in the engine's KV type).
+the loaded model, in the engine's KV type); ``s`` the prompt's wall time
+(its prefill and 8 tokens), to see what a setting costs beside what it
+saves.  Other settings go in the environment, which the engine's process
+inherits (``AFM_NO_QMM_SWIGLU=1 ... memory.py``, say).
 
-Memory is not a timing: one run says it (the settings alternate anyway).
+Memory is not a timing: one run says it (the settings alternate anyway); the
+seconds compare only between settings of one run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,9 +48,9 @@ from afm_core.bench._servers import peak_rss_bytes
 MIB = 1 << 20
 
 
-def sample(what: str, tokens: int = 0, kv: int = 0) -> dict[str, object]:
+def sample(what: str, tokens: int = 0, kv: int = 0, seconds: float = 0.0) -> dict[str, object]:
     rss = peak_rss_bytes(os.getpid()) or {}
-    return {"what": what, "tokens": tokens, "kv": kv, "VmRSS": rss.get("current", 0), "VmHWM": rss.get("peak", 0),
+    return {"what": what, "tokens": tokens, "kv": kv, "seconds": seconds, "VmRSS": rss.get("current", 0), "VmHWM": rss.get("peak", 0),
             "active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
 
 
@@ -58,11 +63,12 @@ async def child(model: str, prompts: list[int], prefix_cache_bytes: int) -> None
             ids = tuple(100 + (i * 7919 + n) % 20000 for i in range(n))
             req = CompletionRequest.from_openai({"max_tokens": 8, "temperature": 0, "ignore_eos": True}, ids)
             mx.reset_peak_memory()
+            start = time.perf_counter()
             async with engine.stream(req) as s:
                 async for e in s:
                     if isinstance(e, Finish):
                         break
-            print(json.dumps(sample("prompt", n, n * per_token)), flush=True)
+            print(json.dumps(sample("prompt", n, n * per_token, time.perf_counter() - start)), flush=True)
 
 
 def main() -> None:
@@ -80,8 +86,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model = model_path(args.model, Path(work))
         print(f"model {model}; prompts {prompts}; prefix cache {args.prefix_cache_bytes >> 20} MiB")
-        print("| malloc | after | VmRSS MiB | VmHWM MiB | MLX active | MLX cache | MLX peak | kv MiB |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| malloc | after | VmRSS MiB | VmHWM MiB | MLX active | MLX cache | MLX peak | kv MiB | s |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for setting in args.malloc.split(","):
             env = {k: v for k, v in os.environ.items() if k not in ("AFM_MALLOC", "MALLOC_MMAP_THRESHOLD_")}
             if setting == "system":
@@ -99,8 +105,9 @@ def main() -> None:
                 s = json.loads(line)
                 after = "start" if s["what"] == "started" else f"{s['tokens']} tokens"
                 kv = f"{s['kv'] / MIB:.0f}" if s["kv"] else ""
+                secs = f"{s['seconds']:.2f}" if s["seconds"] else ""
                 print(f"| {setting} | {after} | {s['VmRSS'] // MIB} | {s['VmHWM'] // MIB} | {s['active'] // MIB} "
-                      f"| {s['cache'] // MIB} | {s['peak'] // MIB} | {kv} |")
+                      f"| {s['cache'] // MIB} | {s['peak'] // MIB} | {kv} | {secs} |")
 
 
 if __name__ == "__main__":
