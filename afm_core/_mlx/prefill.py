@@ -74,21 +74,35 @@ from mlx_lm.generate import (
     StopSequences,
     _merge_caches,
 )
+from mlx_lm.models import cache as _cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import half_cache
 from .batch import Occupancy, install, occupancy
 from .half_cache import DECODE_ROOM, reserve, to_half
 from .lora import AdapterRows
 from .quantized_cache import check_quantizable, make_quantized_cache
 from .speculative import Speculation
 
-__all__ = ["MIN_CHUNK", "SCORE_SPAN", "EngineBatchGenerator", "EnginePromptBatch", "PrefillCost",
-           "PromptScores"]
+__all__ = ["MIN_CHUNK", "PAD_MAX_OFFSET", "PAD_MAX_TOKENS", "PAD_WASTE", "SCORE_SPAN", "EngineBatchGenerator",
+           "EnginePromptBatch", "PrefillCost", "PromptScores", "padded_groups"]
 
 MIN_CHUNK = 16
 """The fewest tokens a prompt's chunk holds while streams decode, however far
 into a long prompt it is (each step's fixed cost, a pass over every layer's
 weights, must buy some progress)."""
+
+PAD_MAX_TOKENS = 256
+"""Prompt chunks of at most this many tokens, on caches of at most
+:data:`PAD_MAX_OFFSET` tokens, run as padded batches (:func:`padded_groups`)
+instead of one by one."""
+
+PAD_MAX_OFFSET = 1024
+"""The most tokens a row's cache may hold for its chunk to join a padded
+batch (the batch copies the rows' caches in, and each row's back out)."""
+
+PAD_WASTE = 1.5
+"""A padded group's rows x longest prompt is at most this times its tokens."""
 
 SCORE_SPAN = 256
 """Prompt positions a scored row runs through the model at once: its
@@ -198,6 +212,37 @@ class PrefillCost:
         return max(MIN_CHUNK, int(n))
 
 
+def padded_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of ``lengths`` (short prompts) in groups of two or more whose
+    padded batch (rows x the longest) is at most :data:`PAD_WASTE` times their
+    tokens, longest prompts first; a prompt in no group runs on its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    while order:
+        group = [order.pop(0)]
+        width, tokens = lengths[group[0]], lengths[group[0]]
+        while order and (len(group) + 1) * width <= PAD_WASTE * (tokens + lengths[order[0]]):
+            tokens += lengths[order[0]]
+            group.append(order.pop(0))
+        if len(group) > 1:
+            groups.append(group)
+    return groups
+
+
+def _kv_kind(cache: list[Any]) -> tuple[type, int] | None:
+    """The KV class and length of ``cache`` (one row's) when every layer is a
+    plain or float16 ``KVCache`` of one class holding at most
+    :data:`PAD_MAX_OFFSET` tokens; None otherwise."""
+    kinds = {type(c) for c in cache}
+    offsets = {c.offset for c in cache}
+    if len(kinds) != 1 or len(offsets) != 1:
+        return None
+    kind, offset = kinds.pop(), offsets.pop()
+    if kind not in (_cache.KVCache, half_cache.KVCache) or offset > PAD_MAX_OFFSET:
+        return None
+    return kind, offset
+
+
 class EnginePromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch with one cache per row (``rows``); see the
     module docstring.  mlx-lm's merged ``prompt_cache`` stays empty."""
@@ -246,6 +291,8 @@ class EnginePromptBatch(PromptProcessingBatch):
         adapters = self.adapters
         while todo:
             states: list[Any] = []
+            if adapters is None:
+                todo, states = self._prefill_padded(todo, step)
             for uid, cache, ids, scored, at in todo:
                 chunk = ids[start : start + step]
                 if adapters is not None:
@@ -263,6 +310,50 @@ class EnginePromptBatch(PromptProcessingBatch):
             mx.clear_cache()
             start += step
             todo = [row for row in todo if len(row[2]) > start]
+
+    def _prefill_padded(self, todo: list[Any], step: int) -> tuple[list[Any], list[Any]]:
+        """Prefill the short chunks of ``todo`` as padded batches (rows whose
+        caches hold the same number of tokens, :func:`padded_groups`); returns
+        the rows left to prefill one by one and the arrays to evaluate.
+
+        Several short chunks computed one by one cost about twice what one
+        prompt of all their tokens does (each small product reads, or
+        dequantizes, the whole weight: ``benchmarks/prefill_rows.py``); as one
+        batch they cost what its padded rows do.  The rows' caches (of equal
+        lengths) are merged into one mlx-lm ``BatchKVCache`` and each chunk is
+        padded on the right: causal attention keeps every real token from
+        the padding after it, and each row's cache is then its row of the
+        batch with the padding trimmed off."""
+        kinds: dict[int, tuple[type, int]] = {}
+        for i, (_, cache, ids, scored, _) in enumerate(todo):
+            found = _kv_kind(cache) if scored is None and len(ids) <= min(step, PAD_MAX_TOKENS) else None
+            if found is not None:
+                kinds[i] = found
+        groups = []
+        for found in set(kinds.values()):
+            same = [i for i in kinds if kinds[i] == found]
+            groups += [[same[j] for j in g] for g in padded_groups([len(todo[i][2]) for i in same])]
+        if not groups:
+            return todo, []
+        states: list[Any] = []
+        for group in groups:
+            rows = [todo[i] for i in group]
+            kind, offset = kinds[group[0]]
+            width = max(len(ids) for _, _, ids, _, _ in rows)
+            pads = [width - len(ids) for _, _, ids, _, _ in rows]
+            batch_kind = half_cache.BatchKVCache if kind is half_cache.KVCache else _cache.BatchKVCache
+            layers = len(rows[0][1])
+            batch = ([batch_kind([0] * len(rows)) for _ in range(layers)] if offset == 0 else
+                     [batch_kind.merge([cache[layer] for _, cache, _, _, _ in rows]) for layer in range(layers)])
+            self.model(mx.array([list(ids) + [0] * pad for pad, (_, _, ids, _, _) in zip(pads, rows, strict=True)]),
+                       cache=batch)
+            for i, ((_, cache, _, _, _), pad) in enumerate(zip(rows, pads, strict=True)):
+                cache[:] = [layer.extract(i) for layer in batch]
+                for layer in cache:
+                    layer.trim(pad)
+                states.extend(c.state for c in cache)
+        done = {i for g in groups for i in g}
+        return [row for i, row in enumerate(todo) if i not in done], states
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         """Merge the rows into one batch cache and start decoding from each

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from afm_core._mlx.batch import Occupancy, occupancy
-from afm_core._mlx.prefill import EngineBatchGenerator, EnginePromptBatch
+from afm_core._mlx.prefill import PAD_WASTE, EngineBatchGenerator, EnginePromptBatch, padded_groups
 
 
 @pytest.fixture(scope="module")
@@ -158,21 +158,63 @@ class Recording:
 
 
 def test_only_real_tokens_are_computed(model: Any) -> None:
-    """Each prompt is prefilled alone at its own length: no padding rows."""
+    """A prompt too long to pad is prefilled alone at its own length; short
+    ones starting together run in padded groups of at most ``PAD_WASTE``
+    times their tokens: fewer rows than mlx-lm's padding either way."""
     prompts = mixed_prompts(7, seed=3)
     ours, theirs = Recording(model), Recording(model)
     kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 5, "prefill_batch_size": 3,
                           "prefill_step_size": 32}
     run(EngineBatchGenerator(ours, logprob_uids=set(), **kw), prompts)
     run(BatchGenerator(theirs, **kw), prompts)
-    prefill = [(b, n) for b, n, single in ours.calls if single]
-    assert prefill and all(b == 1 for b, _ in prefill)
-    # all but each prompt's last token, each computed once
-    assert sum(n for _, n in prefill) == sum(len(p) - 1 for p in prompts)
+    alone = [(b, n) for b, n, single in ours.calls if single]
+    padded = [(b, n) for b, n, single in ours.calls if not single and n > 1]
+    assert alone and all(b == 1 for b, _ in alone)
+    assert padded and all(b > 1 for b, _ in padded)
+    # all but each prompt's last token, each computed once, padding within its bound
+    tokens = sum(len(p) - 1 for p in prompts)
+    assert tokens <= sum(b * n for b, n in alone + padded) <= PAD_WASTE * tokens
     # mlx-lm pads each group to its longest prompt: same schedule, more rows
     assert not any(single for _, _, single in theirs.calls)
     rows = [sum(b * n for b, n, _ in r.calls) for r in (ours, theirs)]
     assert rows[0] < rows[1]
+
+
+def test_short_chunks_on_equal_caches_run_as_one_padded_batch(model: Any) -> None:
+    """A burst's later chunks (caches of equal lengths, chunks of different
+    lengths): one call with the chunks padded on the right, each row's cache
+    then what prefilling it alone gives, padding trimmed off."""
+    rng = random.Random(5)
+    first = [[rng.randrange(3, 1000) for _ in range(8)] for _ in range(4)]
+    second = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 9, 3, 9)]
+    recording = Recording(model)
+    caches = [make_prompt_cache(model) for _ in range(4)]
+    batch = EnginePromptBatch(recording, [0, 1, 2, 3], caches, samplers=[None] * 4,
+                              logits_processors=[()] * 4, max_tokens=[8] * 4)
+    batch.prompt(first)
+    batch.prompt(second)
+    assert [(b, n) for b, n, single in recording.calls] == [(4, 8), (4, 9)]
+    for i in range(4):
+        alone = make_prompt_cache(model)
+        for chunk in (first[i], second[i]):
+            model(mx.array(chunk)[None], cache=alone)
+        for ours, ref in zip(batch.rows[i], alone, strict=True):
+            n = 8 + len(second[i])
+            assert ours.offset == ref.offset == n
+            for a, b in ((ours.keys, ref.keys), (ours.values, ref.values)):
+                assert mx.allclose(a[..., :n, :], b[..., :n, :], atol=1e-5, rtol=1e-5).item(), i
+
+
+def test_padded_groups_bound_their_padding() -> None:
+    assert padded_groups([60, 58, 61, 55]) == [[2, 0, 1, 3]]
+    assert padded_groups([10]) == []  # a group is two or more
+    assert padded_groups([100, 10, 12]) == [[2, 1]]  # 100 alone: padding 10 to it is waste
+    for lengths in ([5, 9, 17, 33, 64, 65, 3, 3], [1, 2, 3, 4, 5, 6, 7, 8], [200, 150, 120, 90]):
+        groups = padded_groups(lengths)
+        seen = [i for g in groups for i in g]
+        assert len(seen) == len(set(seen)) and all(len(g) > 1 for g in groups)
+        for g in groups:
+            assert len(g) * max(lengths[i] for i in g) <= PAD_WASTE * sum(lengths[i] for i in g)
 
 
 def test_split_moves_rows_without_copying(model: Any) -> None:
