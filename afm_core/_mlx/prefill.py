@@ -1,4 +1,4 @@
-"""Prompt prefill without padding: each prompt runs at its own length.
+"""Prompt prefill at each prompt's own length (short chunks padded together).
 
 mlx-lm's ``PromptProcessingBatch`` prefills a group of prompts as one
 right-padded batch: every row is computed to the length of the longest, and
@@ -10,7 +10,13 @@ and on the CPU backend prefill costs in proportion to the rows computed.
 :class:`EnginePromptBatch` keeps each prompt's own cache (mlx-lm's
 single-sequence caches from ``make_prompt_cache`` or the prefix cache) and
 runs each prompt's chunk through the model on it, exactly as long as it is;
-all the rows of one chunk are evaluated together.  The rows are merged into
+all the rows of one chunk are evaluated together.  Short chunks are the
+exception (:meth:`EnginePromptBatch._prefill_padded`): each small product
+reads, or dequantizes, a whole weight, so eight 60-token prompts one by one
+took about twice as long as one prompt of all their tokens; chunks of at
+most :data:`PAD_MAX_TOKENS` tokens on caches of equal length run as one
+batch padded on the right, in groups of at most :data:`PAD_WASTE` times
+their tokens (:func:`padded_groups`).  The rows are merged into
 one batch cache (``_merge_caches``, which right-aligns them: the layout
 mlx-lm's padded prefill ends with) only when they move on to decoding.  The
 attention of every row sees exactly its own tokens, so the result is the one

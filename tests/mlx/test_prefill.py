@@ -1,4 +1,4 @@
-"""Prefill without padding gives exactly mlx-lm's results, computing only real tokens."""
+"""Prefill at each prompt's own length (short chunks padded together) gives mlx-lm's results."""
 
 from __future__ import annotations
 
