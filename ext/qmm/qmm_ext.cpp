@@ -533,7 +533,8 @@ void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
 }
 
 // out[m, :] = y[m, start : start + n] (+ bias), in out's dtype (rounded to
-// nearest even, as MLX's astype).
+// nearest even, as MLX's astype); y may be out's own float32 buffer (N == n,
+// start 0: the bias added in place).
 void write_columns(const float* y, int M, int N, int start, int n, const mx::array* bias,
                    mx::array& out) {
   thread_local std::vector<float> bf;
@@ -562,21 +563,6 @@ void write_columns(const float* y, int M, int N, int start, int n, const mx::arr
       mx::bfloat16_t* dst = out.data<mx::bfloat16_t>() + row;
       for (int j = 0; j < n; ++j) dst[j] = static_cast<mx::bfloat16_t>(bp != nullptr ? src[j] + bp[j] : src[j]);
     }
-  }
-}
-
-// out[m, :] (float32, M x n) += bias, the one float32 addition MLX's own add
-// would make (write_columns' arithmetic, in place).
-void add_bias(float* out, int M, int n, const mx::array& bias) {
-  thread_local std::vector<float> bf;
-  bf.resize(n);
-  for (int j = 0; j < n; ++j) {
-    const int64_t at = static_cast<int64_t>(j) * bias.strides(0);
-    bf[j] = bias.data<float>()[at];
-  }
-  for (int m = 0; m < M; ++m) {
-    float* row = out + static_cast<size_t>(m) * n;
-    for (int j = 0; j < n; ++j) row[j] = row[j] + bf[j];
   }
 }
 
@@ -684,14 +670,15 @@ class AfmQuantizedMatmul : public mx::Primitive {
     if (M == 0) return;
     bool all_f32 = true;
     for (const auto& a : out) all_f32 = all_f32 && a.dtype() == mx::float32;
-    if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr && all_f32) {
+    const Sgemm sgemm = sgemm_for(M);
+    if (sgemm != nullptr && all_f32) {
       // each member's columns straight into its own output, its bias added there
       int start = 0;
       size_t next_bias = 4;
       for (size_t i = 0; i < splits.size(); ++i) {
         float* y = out[i].data<float>();
         gemm_columns(sgemm, o.x, M, o.wt, start, start + splits[i], y, splits[i]);
-        if (has_bias[i]) add_bias(y, M, splits[i], in[next_bias++]);
+        if (has_bias[i]) write_columns(y, M, splits[i], 0, splits[i], &in[next_bias++], out[i]);
         start += splits[i];
       }
       return;
@@ -703,8 +690,12 @@ class AfmQuantizedMatmul : public mx::Primitive {
       ybuf.resize(static_cast<size_t>(M) * N);
       y = ybuf.data();
     }
-    if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr) {
-      gemm_columns(sgemm, o.x, M, o.wt, 0, N, y, N);
+    if (sgemm != nullptr) {  // member by member, as above: the calls each makes alone
+      int start = 0;
+      for (int n : splits) {
+        gemm_columns(sgemm, o.x, M, o.wt, start, start + n, y + start, N);
+        start += n;
+      }
     } else {
       integer_product(o.x, M, o.wt, y);
     }
