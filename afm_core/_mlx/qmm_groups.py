@@ -52,12 +52,12 @@ from . import qmatmul as _qmm
 
 __all__ = ["SIBLINGS", "fused_swiglu", "group_siblings", "ungroup_siblings"]
 
-SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_SWIGLU_FAMILY = ("gate_proj", "up_proj")
+SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), _SWIGLU_FAMILY)
 """Families of a module's children that read the same input (mlx-lm's names)."""
 
 NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
 NO_SWIGLU_ENV = "AFM_NO_QMM_SWIGLU"
-_SWIGLU_FAMILY = ("gate_proj", "up_proj")
 
 _served = threading.local()
 """``pair``: weak references to the last SwiGLU family's outputs served on
