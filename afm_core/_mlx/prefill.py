@@ -297,7 +297,7 @@ class EnginePromptBatch(PromptProcessingBatch):
         adapters = self.adapters
         while todo:
             states: list[Any] = []
-            if adapters is None:
+            if start == 0 and adapters is None:  # (later passes hold only prompts longer than a step)
                 todo, states = self._prefill_padded(todo, step)
             for uid, cache, ids, scored, at in todo:
                 chunk = ids[start : start + step]
