@@ -89,7 +89,10 @@ class EngineConfig:
     """While other streams are decoding, prompt tokens prefilled per step,
     counted at what tokens cost at the start of a prompt: a chunk later in a
     long prompt (whose attention reads more keys) holds fewer tokens, so every
-    chunk takes about as long, shared among the prompts prefilled together.
+    chunk takes about as long, shared among the prompts prefilled together
+    (times prompts per decoding stream when the prompts are more: a burst
+    behind one stream starts in one step, each prompt with the chunk a lone
+    prompt would get).
     The running streams get a token between every two chunks, so this bounds
     how long a long prompt arriving stalls them (a running stream's longest
     gap between tokens), at the cost of more steps for that prompt's prefill

@@ -25,9 +25,12 @@ mlx-lm's padded prefill computes.
 :class:`EngineBatchGenerator` is mlx-lm's ``BatchGenerator`` with this prompt
 batch and the engine's decode batch (``afm_core._mlx.batch``).  Its scheduling
 (which prompts start when, chunking by ``prefill_step_size``) is mlx-lm's
-own but for one change: a prompt whose prefill ends moves to the decode batch
+own but for two changes: a prompt whose prefill ends moves to the decode batch
 in the same step, not at the start of the next (see
-``EngineBatchGenerator._start_decoding``).
+``EngineBatchGenerator._start_decoding``), and the step after that only
+decodes, so its first token goes out without waiting for the next chunk of
+the prompts still prefilling (mlx-lm's step returns its tokens only after
+that chunk).
 
 **Prompt scoring.**  A row registered in the generator's ``prompt_scores``
 (:class:`PromptScores`, for a completion asking for its prompt's logprobs)
@@ -55,9 +58,14 @@ tokens) the chunks are smaller while any stream decodes: they cost about
 as much as that many tokens at the start of a prompt, counted with
 :class:`PrefillCost` (a token's matrix products, plus its attention over the
 keys before it: a chunk deep into a long prompt gets fewer tokens, so it
-takes about as long), shared among the prompts prefilled in the step.  With
-no stream decoding, a prompt is prefilled ``prefill_step_size`` tokens at a
-time, the fastest way to its first token.
+takes about as long), shared among the prompts prefilled in the step.  When
+the step prefills more prompts than there are streams decoding, the budget
+is that many tokens times their ratio: each prompt of a burst arriving behind
+one stream gets the chunk a lone prompt would (a burst of eight short
+prompts starts in one step, not three), and the decoding streams' pause
+grows only while they are outnumbered by the requests waiting for a first
+token.  With no stream decoding, a prompt is prefilled ``prefill_step_size``
+tokens at a time, the fastest way to its first token.
 
 **LoRA adapters.**  With ``adapters`` (:class:`~afm_core._mlx.lora.AdapterRows`),
 each row's prompt chunks run with that row's adapter selected, and so does
@@ -438,6 +446,7 @@ class EngineBatchGenerator(BatchGenerator):
         self.shared: set[int] = set()
         self.prefilled: dict[int, list[Any]] = {}
         self._prompt_batch = self._new_prompt_batch([], [])
+        self._first_tokens_due = False  # rows began decoding in the last step
 
     def _new_prompt_batch(self, uids: list[int], caches: list[list[Any]], **kw: Any) -> EnginePromptBatch:
         return EnginePromptBatch(self.model, uids, caches, prefill_step_size=self.prefill_step_size,
@@ -515,13 +524,23 @@ class EngineBatchGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         step = self._chunk_size()
         self.prefill_step_size = self._prompt_batch.prefill_step_size = step
-        prompt_responses, generation_responses = super()._next()
-        self._start_decoding(prompt_responses)
+        if self._first_tokens_due and len(self._generation_batch) > 0:
+            # decode only: mlx-lm's step returns early when the decode batch is full
+            full, self.completion_batch_size = self.completion_batch_size, 0
+            try:
+                prompt_responses, generation_responses = super()._next()
+            finally:
+                self.completion_batch_size = full
+        else:
+            prompt_responses, generation_responses = super()._next()
+            self._start_decoding(prompt_responses)
+        self._first_tokens_due = any(r.end_of_prompt for r in prompt_responses)
         return prompt_responses, generation_responses
 
     def _chunk_size(self) -> int:
         """This step's prefill chunk per prompt (see the module docstring):
-        ``full_step`` unless streams decode and ``prefill_step_decoding`` is set."""
+        ``full_step`` unless streams decode and ``prefill_step_decoding`` is
+        set, then that budget (times prompts per decoding stream, if above 1)."""
         if self.cost is None or len(self._generation_batch) == 0:
             return self.full_step
         # the prompts this step prefills: those under way, then those mlx-lm starts now
@@ -530,7 +549,8 @@ class EngineBatchGenerator(BatchGenerator):
                    self.completion_batch_size - len(self._generation_batch))
         offsets += [len(seq[4]) for _, seq in zip(range(max(room, 0)), self._unprocessed_sequences,
                                                   strict=False)]
-        return min(self.full_step, self.cost.chunk(self.prefill_step_decoding, offsets))
+        budget = self.prefill_step_decoding * max(1.0, len(offsets) / len(self._generation_batch))
+        return min(self.full_step, self.cost.chunk(int(budget), offsets))
 
     def _start_decoding(self, prompt_responses: list[Any]) -> None:
         """Move the prompts whose prefill just ended (only their last token is

@@ -331,3 +331,45 @@ def test_running_streams_get_a_token_between_the_chunks_of_a_long_prompt(model: 
         steps += 1
     assert steps == 2  # 512, then the rest
     alone.close()
+
+
+def test_a_first_token_is_sent_before_the_next_prefill_chunk(model: Any) -> None:
+    """The step after a row's prefill ends only decodes: its first token (and
+    the running rows' tokens) come out without waiting for another chunk of
+    the prompts still prefilling."""
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 4, "prefill_batch_size": 2,
+                          "prefill_step_size": 64}
+    gen = EngineBatchGenerator(model, logprob_uids=set(), **kw)
+    short, long = gen.insert([[5, 6, 7], [(i * 7) % 900 + 3 for i in range(300)]], max_tokens=[4, 2])
+    prompt_responses, responses = gen.next()
+    assert [p.uid for p in prompt_responses if p.end_of_prompt] == [short] and not responses
+    prompt_responses, responses = gen.next()  # the short one's first token, nothing prefilled
+    assert [r.uid for r in responses] == [short] and prompt_responses == []
+    prompt_responses, responses = gen.next()  # then the long prompt's next chunk, with a token
+    assert [r.uid for r in responses] == [short]
+    assert [(p.uid, p.progress[0]) for p in prompt_responses] == [(long, 128)]
+    gen.close()
+
+
+def test_prompts_outnumbering_the_decoding_streams_get_a_larger_chunk(model: Any) -> None:
+    """While streams decode, the prompts of a step share ``prefill_step_decoding``
+    tokens' cost, times how many more prompts there are than decoding streams:
+    a burst of requests behind one stream is not cut finer than that stream
+    alone would cut a single prompt."""
+    from afm_core._mlx.prefill import PrefillCost
+
+    kw: dict[str, Any] = {"stop_tokens": [], "completion_batch_size": 8, "prefill_batch_size": 8,
+                          "prefill_step_size": 512}
+    cost = PrefillCost.of(model)
+    for waiting in (1, 3, 6):
+        gen = EngineBatchGenerator(model, logprob_uids=set(), prefill_step_decoding=40, **kw)
+        (running,) = gen.insert([[5, 6, 7]], max_tokens=[10_000])
+        while not gen.next()[1]:
+            pass  # until it decodes
+        prompts = [[(i * 7 + j) % 900 + 3 for i in range(400)] for j in range(waiting)]
+        uids = gen.insert(prompts, max_tokens=[2] * waiting)
+        prompt_responses, responses = gen.next()
+        assert [r.uid for r in responses] == [running]
+        got = {p.uid: p.progress[0] for p in prompt_responses}
+        assert got == dict.fromkeys(uids, cost.chunk(40 * waiting, [0] * waiting))
+        gen.close()
