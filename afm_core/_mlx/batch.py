@@ -1,7 +1,7 @@
-"""The engine's decode batch: mlx-lm's ``GenerationBatch`` with two per-step costs removed.
+"""The engine's decode batch: mlx-lm's ``GenerationBatch`` with three per-step costs removed.
 
 mlx-lm's batch (``mlx_lm.generate.GenerationBatch``) is what every step of
-``BatchGenerator`` runs.  Two of its habits cost time on every step for
+``BatchGenerator`` runs.  Three of its habits cost time on every step for
 nothing the engine uses:
 
 * it splits the step's log-probabilities into one array per row
@@ -12,6 +12,9 @@ nothing the engine uses:
   its own call.  Here rows sharing a sampler (the engine shares one per set of
   sampling parameters, see :class:`afm_core._engine.sampling.SamplerCache`) are
   sampled together, one call per distinct sampler.
+* every layer of its cache advances its own copy of the rows' offsets, the
+  same numbers in every layer.  Here the plain KV layers share one
+  (:func:`share_offsets`).
 
 Everything else (the forward pass, logits processors, the pipelined
 ``async_eval`` of the next step, token bookkeeping) is the same sequence of
@@ -38,11 +41,13 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models import cache as _cache
 from mlx_lm.sample_utils import Sampler
 
+from . import half_cache
 from .lora import AdapterRows
 
-__all__ = ["EngineGenerationBatch", "Occupancy", "Verifier", "install", "occupancy", "process_rows"]
+__all__ = ["EngineGenerationBatch", "Occupancy", "Verifier", "install", "occupancy", "process_rows", "share_offsets"]
 
 SETTLE_EVERY = 64
 """Steps between evaluations of the whole cache state.  A model that never
@@ -140,6 +145,7 @@ class EngineGenerationBatch(GenerationBatch):
         finally:
             if adapters is not None:
                 adapters.clear()
+        share_offsets(self.prompt_cache)
         logits = logits[:, -1, :]
 
         logits, token_context = process_rows(self, logits, inputs)
@@ -192,6 +198,30 @@ class EngineGenerationBatch(GenerationBatch):
         for pos, row in enumerate(order):
             inverse[row] = pos
         return mx.concatenate(parts, axis=0)[mx.array(inverse)]
+
+
+def share_offsets(caches: Sequence[Any]) -> None:
+    """Point the plain batch KV layers of one batch at one ``offset`` array.
+
+    mlx-lm's ``BatchKVCache`` advances its per-row ``offset`` in every layer
+    (``offset + n``: a broadcast and an addition per layer, read by the next
+    step's rotary embeddings).  Every plain batch layer of a batch holds the
+    same rows with the same tokens (mlx-lm filters, extends and trims all of
+    them alike), so their offsets are equal: after a forward the first
+    layer's serves them all, and the others' additions are dropped
+    unevaluated (58 operations fewer per step on a 30-layer model).  Layers
+    of other kinds (rotating, quantized) keep their own."""
+    first = None
+    for c in caches:
+        if type(c) not in _PLAIN_BATCH_LAYERS:
+            continue
+        if first is None:
+            first = c
+        elif c._idx == first._idx and c.offset is not first.offset and c.offset.shape == first.offset.shape:
+            c.offset = first.offset
+
+
+_PLAIN_BATCH_LAYERS = (_cache.BatchKVCache, half_cache.BatchKVCache)
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,3 +104,27 @@ def test_install_refuses_a_busy_generator(model: Any) -> None:
     with pytest.raises(RuntimeError):
         install(gen, set())
     gen.close()
+
+
+def test_the_layers_share_one_offset_array(model: Any) -> None:
+    """After a step every plain KV layer reads the first layer's offsets (the
+    others' additions are never evaluated); they are each layer's own numbers."""
+    from afm_core._mlx import half_cache
+
+    for half in (False, True):
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
+        install(gen, set())
+        gen.insert([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], max_tokens=[6, 6])
+        steps = 0
+        while gen.next_generated():
+            caches = gen._generation_batch.prompt_cache
+            if half and steps == 0:
+                half_cache.to_half(caches)
+            steps += 1
+            if steps < 2 or len(gen._generation_batch.uids) < 2:
+                continue  # (rows leaving the batch filter every layer's offsets apart)
+            assert len({id(c.offset) for c in caches}) == 1
+            for c in caches:
+                assert (c.offset == c._idx - c.left_padding).all().item()
+        assert steps == 6
+        gen.close()
