@@ -375,3 +375,71 @@ def test_float16_keys_and_values_are_widened_exactly(isa, n, mask_kind):
         ext.set_isa(before)
     with pytest.raises(ValueError, match="both float32 or both float16"):
         ext.decode_attention(q, k16, v, 0.125)
+
+
+def test_a_mask_shared_by_the_layers_is_broadcast_once():
+    q, k, _ = _qkv(2, 4, 2, 8, 16)
+    mask = mx.array([[True] * 8, [False] * 3 + [True] * 5])[:, None, None, :]
+    first = _attention._scores_mask(mask, q, k)
+    assert first.shape == (2, 4, 1, 8)
+    assert _attention._scores_mask(mask, q, k) is first  # the next layer's
+    three = mx.random.normal((2, 4, 3, 16))  # a verify step's three positions
+    assert _attention._scores_mask(mask, three, k).shape == (2, 4, 3, 8)
+    assert _attention._scores_mask(None, q, k) is None
+    with pytest.raises(ValueError):
+        _attention._scores_mask(mx.ones((3, 8), dtype=mx.bool_), q, k)
+
+
+def _tiny(kind):
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    args = {"model_type": kind, "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
+            "rope_theta": 10000.0, "tie_word_embeddings": True}
+    if kind == "qwen3":
+        args.update(head_dim=16, max_position_embeddings=4096)
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(args))
+    mx.eval(model.parameters())
+    return model
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_layout_computes_mlx_lm_attention_bits(kind, rows):
+    """llama's, qwen2's and qwen3's attention layers take the decode layout
+    (four operations fewer per layer at one position) and compute the same
+    bits as mlx-lm's call; prompts still go through mlx-lm's; restoring
+    gives mlx-lm's classes back."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from afm_core._mlx import fusion
+
+    model = _tiny(kind)
+    base = type(model.layers[0].self_attn)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    layers = [layer.self_attn for layer in model.layers]
+    layout = type(layers[0])
+    assert layout is not base and layout.__mro__[1] is base
+
+    def decode(cls):
+        for a in layers:
+            a.__class__ = cls
+        cache = make_prompt_cache(model) if rows == 1 else [BatchKVCache([0, 3]) for _ in model.layers]
+        outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]][:rows]), cache=cache)]
+        ops = None
+        for t in (8, 200, 45, 3):
+            outs.append(model(mx.array([[t]] * rows), cache=cache))
+            ops = ops or _primitives(outs[-1])
+            mx.eval(outs)
+        return outs, ops
+
+    ours, ops = decode(layout)
+    theirs, their_ops = decode(base)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert sum(ops.values()) == sum(their_ops.values()) - 4 * len(layers)
+    fusion.unfuse_cpu_kernels(model)
+    assert all(type(a) is base for a in layers)
