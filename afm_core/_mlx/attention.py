@@ -213,65 +213,17 @@ _REBINDING = ModuleRebinding(_NAME, _original, scaled_dot_product_attention, "_a
 """Where models point mlx-lm's ``scaled_dot_product_attention`` at this module's."""
 
 
-def _decode_layout(base: type) -> type:
-    """``base`` (mlx-lm's llama, qwen2 or qwen3 ``Attention``) whose call at
-    one position per row shapes the queries, keys and values straight to
-    (B, H, 1, D) and the output straight back to (B, 1, H x D): with one
-    position those reshapes are the layouts mlx-lm reaches by a reshape and a
-    transpose, so the same kernels compute the same numbers from four fewer
-    operations per layer.  Other calls are ``base``'s own."""
-
-    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        b, length, _ = x.shape
-        if length != 1 or cache is None:
-            return base.__call__(self, x, mask=mask, cache=cache)
-        queries = self.q_proj(x).reshape(b, self.n_heads, 1, -1)
-        keys = self.k_proj(x).reshape(b, self.n_kv_heads, 1, -1)
-        values = self.v_proj(x).reshape(b, self.n_kv_heads, 1, -1)
-        if normed:  # qwen3: a norm over each head's vector
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
-        output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(output.reshape(b, 1, -1))  # type: ignore[no-any-return]
-
-    normed = base.__module__ == "mlx_lm.models.qwen3"
-    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
-                                         "__qualname__": f"DecodeLayout.{base.__qualname__}"})
-
-
-def _decode_layouts() -> dict[type, type]:
-    from mlx_lm.models import llama, qwen2, qwen3
-
-    return {base: _decode_layout(base) for base in (llama.Attention, qwen2.Attention, qwen3.Attention)}
-
-
-_DECODE_LAYOUTS = _decode_layouts()
-
-
 def use_decode_attention(model: nn.Module) -> int:
     """Route the attention of ``model``'s mlx-lm modules through the decode
-    kernel, with llama's, qwen2's and qwen3's attention layers shaping a
-    decode step's heads directly (:func:`_decode_layout`); returns how many
-    modules it applies to (0 without the extension, off the CPU, or with
-    ``AFM_NO_DECODE_ATTENTION=1``)."""
+    kernel; returns how many modules it applies to (0 without the extension,
+    off the CPU, or with ``AFM_NO_DECODE_ATTENTION=1``)."""
     if (_qmm.extension() is None or mx.default_device() != mx.cpu
             or os.environ.get(NO_DECODE_ATTENTION_ENV, "") not in ("", "0")):
         return 0
-    for _, layer in model.named_modules():
-        layout = _DECODE_LAYOUTS.get(type(layer))
-        if layout is not None:
-            layer.__class__ = layout
     return _REBINDING.use(model)
 
 
 def restore_decode_attention(model: nn.Module) -> int:
-    """Undo :func:`use_decode_attention` for ``model``: its attention layers
-    get their classes back, and a module gets mlx-lm's function back when no
-    other model uses the kernel there."""
-    layouts = set(_DECODE_LAYOUTS.values())
-    for _, layer in model.named_modules():
-        if type(layer) in layouts:
-            layer.__class__ = type(layer).__mro__[1]
+    """Undo :func:`use_decode_attention` for ``model``: a module gets mlx-lm's
+    function back when no other model uses the kernel there."""
     return _REBINDING.restore(model)

@@ -285,11 +285,12 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
         changed += 1
     from .activations import use_fast_swiglu  # the MLP's SwiGLU as one operation
     from .attention import use_decode_attention  # one operation per layer's decode attention
+    from .decode_layout import use_decode_layout  # fewer operations per decode layer
     from .qmm_layers import use_fast_qmm  # quantized layers: afm_core._mlx.qmm_ext's products
 
     use_decode_attention(model)
     use_fast_swiglu(model)
-    return changed + use_fast_qmm(model)
+    return changed + use_fast_qmm(model) + use_decode_layout(model)
 
 
 def fuse_for_cpu(model: nn.Module) -> int:
@@ -297,8 +298,9 @@ def fuse_for_cpu(model: nn.Module) -> int:
     if not wants_fusion():
         return 0
     changed = fuse_cpu_kernels(model)
-    log.info("CPU backend: %d norm, rotary, linear and head layers run as fused kernels,"
-             " with transposed weights or through afm's quantized products", changed)
+    log.info("CPU backend: %d norm, rotary, linear, head and decoder layers run as fused kernels,"
+             " with transposed weights, through afm's quantized products or with fewer decode"
+             " operations", changed)
     return changed
 
 
@@ -318,8 +320,9 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
         changed += 1
     from .activations import restore_swiglu
     from .attention import restore_decode_attention
+    from .decode_layout import restore_decode_layout
     from .qmm_layers import restore_qmm
 
     restore_decode_attention(model)
     restore_swiglu(model)
-    return changed + restore_qmm(model)
+    return changed + restore_qmm(model) + restore_decode_layout(model)

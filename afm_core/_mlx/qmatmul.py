@@ -53,6 +53,7 @@ __all__ = [
     "kernel_isa",
     "qmm_available",
     "quantized_matmul",
+    "residual_product",
     "supports",
 ]
 
@@ -66,7 +67,7 @@ class _Extension(Protocol):
 
     def quantized_matmul(self, x: mx.array, w: mx.array, scales: mx.array,
                          biases: mx.array, group_size: int, bits: int,
-                         bias: mx.array | None = None) -> mx.array: ...
+                         bias: mx.array | None = None, residual: mx.array | None = None) -> mx.array: ...
     def quantized_matmul_split(self, x: mx.array, w: mx.array, scales: mx.array,
                                biases: mx.array, group_size: int, bits: int, splits: list[int],
                                bias: list[mx.array | None] = ...) -> list[mx.array]: ...
@@ -183,6 +184,19 @@ class _FastQuantizedLinear(nn.QuantizedLinear):
         if "bias" in self and bias is None:
             y = y + self["bias"]
         return y
+
+
+def residual_product(layer: Any, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + layer(x)``, as one operation when ``layer`` is a
+    :class:`_FastQuantizedLinear` whose bias the product adds (or that has
+    none) and everything is float32: the residual is then added in the
+    product's epilogue, the same float32 addition (``qmm_ext``)."""
+    if type(layer) is _FastQuantizedLinear and _ext is not None and x.dtype == residual.dtype == mx.float32:
+        bias = fused_bias(layer, x)
+        if ("bias" not in layer or bias is not None) and residual.shape == (*x.shape[:-1], layer["weight"].shape[0]):
+            return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"],
+                                         layer.group_size, layer.bits, bias, residual)
+    return residual + layer(x)  # type: ignore[no-any-return]
 
 
 class _FastQuantizedEmbedding(nn.QuantizedEmbedding):

@@ -572,6 +572,31 @@ void write_columns(const float* y, int M, int N, int start, int n, const mx::arr
   }
 }
 
+// out += r, both float32 of one shape, out row-contiguous, r of any strides:
+// a residual connection added in the product's epilogue.  Each element is
+// the one float32 addition MLX's add of the two arrays makes (in either
+// order: it is commutative).
+void add_residual(const mx::array& r, mx::array& out) {
+  float* o = out.data<float>();
+  const float* rp = r.data<float>();
+  const size_t n = out.size();
+  if (r.flags().row_contiguous) {
+    for (size_t i = 0; i < n; ++i) o[i] += rp[i];
+    return;
+  }
+  const int nd = static_cast<int>(r.ndim());
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < nd; ++d) at += idx[d] * r.strides(d);
+    o[i] += rp[at];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < r.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+}
+
 // silu(x @ gate.T) * (x @ up.T) into out (M x I, float32), w's rows being
 // gate's I then up's I: the grouped gate/up product of a SwiGLU MLP with the
 // activation as its epilogue, so neither half is ever a whole array.  Each
@@ -622,9 +647,9 @@ void swiglu_product(const Operands& o, float* out) {
 class AfmQuantizedMatmul : public mx::Primitive {
  public:
   AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
-                     std::vector<bool> has_bias, bool swiglu = false)
+                     std::vector<bool> has_bias, bool swiglu = false, bool residual = false)
       : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
-        has_bias_(std::move(has_bias)), swiglu_(swiglu) {}
+        has_bias_(std::move(has_bias)), swiglu_(swiglu), residual_(residual) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) afm_cpu::allocate(o);
@@ -633,13 +658,14 @@ class AfmQuantizedMatmul : public mx::Primitive {
     for (const auto& o : outputs) weak_out.push_back(mx::array::unsafe_weak_copy(o));
     afm_cpu::dispatch(stream(), inputs, outputs,
                       [in = std::move(weak_in), out = std::move(weak_out), group = group_,
-                       bits = bits_, splits = splits_, has_bias = has_bias_,
-                       swiglu = swiglu_]() mutable {
+                       bits = bits_, splits = splits_, has_bias = has_bias_, swiglu = swiglu_,
+                       residual = residual_]() mutable {
                         if (swiglu) {
                           swiglu_product(operands(in[0], in[1], in[2], in[3], group, bits),
                                          out[0].data<float>());
                         } else {
                           run(in, out, group, bits, splits, has_bias);
+                          if (residual) add_residual(in.back(), out[0]);
                         }
                       });
   }
@@ -655,7 +681,8 @@ class AfmQuantizedMatmul : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
     return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ &&
-           has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_;
+           has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_ &&
+           residual_ == o.residual_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -718,7 +745,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
   int group_, bits_;
   std::vector<int> splits_;
   std::vector<bool> has_bias_;
-  bool swiglu_;
+  bool swiglu_, residual_;
 };
 
 // The checks every product makes of its operands; the CPU stream it runs on.
@@ -815,9 +842,23 @@ mx::array quantized_matmul_swiglu(const mx::array& x, const mx::array& w, const 
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits,
-                           const std::optional<mx::array>& bias) {
-  return quantized_matmul_split(x, w, scales, biases, group_size, bits, {},
-                                {bias})[0];
+                           const std::optional<mx::array>& bias,
+                           const std::optional<mx::array>& residual) {
+  mx::array y = quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias})[0];
+  if (!residual.has_value()) return y;
+  // the same product with the residual added in its epilogue
+  if (x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
+      residual->shape() != y.shape()) {
+    throw std::invalid_argument(
+        "afm qmm: a residual must be float32 and of the output's shape, with float32 x");
+  }
+  std::vector<mx::array> inputs = y.inputs();
+  inputs.push_back(*residual);
+  return mx::array(y.shape(), mx::float32,
+                   std::make_shared<AfmQuantizedMatmul>(
+                       y.primitive().stream(), group_size, bits, std::vector<int>{w.shape(0)},
+                       std::vector<bool>{bias.has_value()}, false, true),
+                   std::move(inputs));
 }
 
 // ---------------------------------------------------------------- attention
@@ -1017,9 +1058,10 @@ NB_MODULE(qmm_ext, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "x @ dequantize(w).T on the CPU for MLX's affine quantized layout";
   m.def("quantized_matmul", &afm_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "bias"_a = nb::none(),
+        "group_size"_a, "bits"_a, "bias"_a = nb::none(), "residual"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T (+ bias, 1-D, x's dtype), in x's dtype (float32, "
-        "float16 or bfloat16), float32 accumulation, activations quantized per block of 32");
+        "float16 or bfloat16), float32 accumulation, activations quantized per block of 32; "
+        "+ residual (float32, the output's shape, float32 x), the bits of adding it after");
   m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
         "quantized_matmul as one array per split: output i is the next splits[i] columns of "

@@ -48,14 +48,15 @@ def test_every_plain_layer_is_switched_and_switched_back(random_model_dir: Path)
 
     norms, ropes, linears = count(nn.RMSNorm), count(nn.RoPE), count(nn.Linear)
     assert norms and ropes and linears and count(nn.Embedding) == 1  # the tiny model ties its head
-    assert fuse_cpu_kernels(model, transpose=True) == norms + ropes + linears + 1
+    layouts = 2 * len(model.layers)  # each block and its attention (afm_core._mlx.decode_layout)
+    assert fuse_cpu_kernels(model, transpose=True) == norms + ropes + linears + 1 + layouts
     assert (count(_FusedRMSNorm), count(_FusedRoPE), count(_TransposedLinear), count(_HeadEmbedding)) == (
         norms, ropes, linears, 1)
     assert not (count(nn.RMSNorm) or count(nn.RoPE) or count(nn.Linear) or count(nn.Embedding))
     assert fuse_cpu_kernels(model, transpose=True) == 0  # already switched: nothing left to change
     # same bytes: the weights are transposed in place, the head's copy is not a parameter
     assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == sum(v.nbytes for v in before.values())
-    assert unfuse_cpu_kernels(model) == norms + ropes + linears + 1
+    assert unfuse_cpu_kernels(model) == norms + ropes + linears + 1 + layouts
     after = dict(tree_flatten(model.parameters()))
     assert after.keys() == before.keys()
     assert all(mx.array_equal(after[k], v).item() for k, v in before.items())

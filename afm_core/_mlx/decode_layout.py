@@ -1,0 +1,142 @@
+"""A decode step's layers with fewer MLX operations, the same bits.
+
+On the CPU backend a decode step of a small model costs in proportion to its
+operations, not its arithmetic: each one is a task for MLX's scheduler (and
+the thread building the next step's graph may run at most about a hundred
+of them ahead of the one computing, see ``benchmarks/README.md``).  mlx-lm's
+llama, qwen2 and qwen3 layers, called on one position per row, make several
+that compute nothing:
+
+* the attention shapes its queries, keys and values to (B, L, H, D) and
+  transposes them to (B, H, L, D), and its output back the other way; with
+  L = 1 one reshape reaches the same layout (the same elements in the same
+  order), so :class:`Attention` layouts skip the four transposes;
+* the block adds each residual as an operation of its own after the
+  attention's output product and after the MLP's down product; the product
+  can add it in its epilogue (``qmm_ext.quantized_matmul``'s ``residual``:
+  the one float32 addition the add would make), so :class:`Block` layouts
+  skip the two additions.
+
+Together 6 operations of ~21 per layer.  Other calls (prompts, verify
+steps of more than one position, no cache) are mlx-lm's own, and so are
+the layers of other architectures and layers whose parts differ from
+mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
+the classes of a model's layers in place (``AFM_NO_DECODE_LAYOUT=1``: it
+does not), :func:`restore_decode_layout` gives mlx-lm's back;
+``tests/mlx/test_decode_layout.py`` checks the bits against mlx-lm's layers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .qmatmul import residual_product
+
+__all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "use_decode_layout"]
+
+NO_DECODE_LAYOUT_ENV = "AFM_NO_DECODE_LAYOUT"
+
+_QKV_NORMED = "mlx_lm.models.qwen3"
+"""The architecture whose attention norms each head's query and key."""
+
+
+def _attention_layout(base: type) -> type:
+    """``base`` (an mlx-lm ``Attention``) whose call at one position per row
+    shapes the heads directly (see the module docstring)."""
+
+    def attend(self: Any, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        """The heads' output at one position per row, (B, 1, H x D), before
+        the output product."""
+        b = x.shape[0]
+        queries = self.q_proj(x).reshape(b, self.n_heads, 1, -1)
+        keys = self.k_proj(x).reshape(b, self.n_kv_heads, 1, -1)
+        values = self.v_proj(x).reshape(b, self.n_kv_heads, 1, -1)
+        if normed:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        output = module.scaled_dot_product_attention(queries, keys, values, cache=cache,
+                                                     scale=self.scale, mask=mask)
+        return output.reshape(b, 1, -1)  # type: ignore[no-any-return]
+
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if x.shape[1] != 1 or cache is None:
+            return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
+        return self.o_proj(attend(self, x, mask, cache))  # type: ignore[no-any-return]
+
+    module = sys.modules[base.__module__]
+    normed = base.__module__ == _QKV_NORMED
+    return type(base.__name__, (base,), {"__call__": __call__, "attend": attend, "__module__": base.__module__,
+                                         "__qualname__": f"DecodeLayout.{base.__qualname__}"})
+
+
+def _block_layout(base: type) -> type:
+    """``base`` (an mlx-lm ``TransformerBlock``) whose call at one position
+    per row adds each residual in the product before it."""
+
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if x.shape[1] != 1 or cache is None:
+            return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
+        attn = self.self_attn
+        h = residual_product(attn.o_proj, attn.attend(self.input_layernorm(x), mask, cache), x)
+        mlp = self.mlp
+        n = self.post_attention_layernorm(h)
+        return residual_product(mlp.down_proj, module.swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
+
+    module = sys.modules[base.__module__]
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": f"DecodeLayout.{base.__qualname__}"})
+
+
+def _layouts() -> tuple[dict[type, type], dict[type, tuple[type, type, type]]]:
+    """The attention layouts by mlx-lm class, and the block layouts by block
+    class with the attention and MLP classes a block must hold."""
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    attention: dict[type, type] = {}
+    blocks: dict[type, tuple[type, type, type]] = {}
+    for m in (llama, qwen2, qwen3):
+        attention[m.Attention] = _attention_layout(m.Attention)
+        blocks[m.TransformerBlock] = (_block_layout(m.TransformerBlock), m.Attention, m.MLP)
+    return attention, blocks
+
+
+_ATTENTION, _BLOCKS = _layouts()
+_SWAPPED = frozenset([*_ATTENTION.values(), *(layout for layout, _, _ in _BLOCKS.values())])
+
+
+def use_decode_layout(model: nn.Module) -> int:
+    """Give ``model``'s llama, qwen2 and qwen3 attention layers and blocks
+    their decode layouts, in place; returns how many layers changed (0 with
+    ``AFM_NO_DECODE_LAYOUT=1``)."""
+    if os.environ.get(NO_DECODE_LAYOUT_ENV, "") not in ("", "0"):
+        return 0
+    changed = 0
+    for _, layer in model.named_modules():
+        block = _BLOCKS.get(type(layer))
+        if block is not None:
+            layout, attention, mlp = block
+            if type(getattr(layer, "self_attn", None)) in (attention, _ATTENTION[attention]) \
+                    and type(getattr(layer, "mlp", None)) is mlp:
+                layer.__class__ = layout
+                changed += 1
+        elif type(layer) in _ATTENTION:
+            layer.__class__ = _ATTENTION[type(layer)]
+            changed += 1
+    return changed
+
+
+def restore_decode_layout(model: nn.Module) -> int:
+    """Give ``model``'s layers mlx-lm's classes back; returns how many changed."""
+    changed = 0
+    for _, layer in model.named_modules():
+        if type(layer) in _SWAPPED:
+            layer.__class__ = type(layer).__mro__[1]
+            changed += 1
+    return changed

@@ -1,0 +1,143 @@
+"""afm_core._mlx.decode_layout: mlx-lm's llama, qwen2 and qwen3 layers at
+decode, with fewer operations, give mlx-lm's bits."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import re
+import tempfile
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+import afm_core  # noqa: F401  (binds the BLAS under MLX first)
+from afm_core._mlx import decode_layout, fusion
+from afm_core._mlx import qmatmul as _qmatmul
+
+ext = _qmatmul.extension()
+needs_ext = pytest.mark.skipif(ext is None, reason="afm_core._mlx.qmm_ext is not built or disabled")
+
+
+def tiny(kind: str, *, quantized: bool) -> Any:
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    args = {"model_type": kind, "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
+            "rope_theta": 10000.0, "tie_word_embeddings": True}
+    if kind == "qwen3":
+        args.update(head_dim=16, max_position_embeddings=4096)
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(args))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def primitives(out: mx.array) -> collections.Counter[str]:
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        graph = f.read()
+    return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', graph))
+
+
+def decode(model: Any, rows: int) -> tuple[list[np.ndarray], collections.Counter[str]]:
+    """A prompt, then four decode steps: every step's logits, and the last step's operations."""
+    cache = make_prompt_cache(model) if rows == 1 else [BatchKVCache([0, 3]) for _ in model.layers]
+    outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]][:rows]), cache=cache)]
+    mx.eval(outs)
+    ops: collections.Counter[str] = collections.Counter()
+    for t in (8, 200, 45, 3):
+        outs.append(model(mx.array([[t]] * rows), cache=cache))
+        ops = primitives(outs[-1])
+        mx.eval(outs)
+    return [np.array(o) for o in outs], ops
+
+
+def swap(model: Any, layouts: bool) -> None:
+    (decode_layout.use_decode_layout if layouts else decode_layout.restore_decode_layout)(model)
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int) -> None:
+    """Four operations fewer per layer (the transposes); with afm's
+    quantized products six (their epilogues add the residuals)."""
+    model = tiny(kind, quantized=quantized)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    block, attention = model.layers[0], model.layers[0].self_attn
+    assert type(block).__name__ == "TransformerBlock" and type(block).__mro__[1].__name__ == "TransformerBlock"
+    assert "DecodeLayout" in type(block).__qualname__ and "DecodeLayout" in type(attention).__qualname__
+    ours, ops = decode(model, rows)
+    swap(model, False)
+    assert "DecodeLayout" not in type(block).__qualname__ + type(attention).__qualname__
+    theirs, their_ops = decode(model, rows)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    fewer = 6 if quantized else 4
+    assert sum(their_ops.values()) - sum(ops.values()) == fewer * len(model.layers)
+    if quantized:
+        assert their_ops["Add"] - ops["Add"] == 2 * len(model.layers)
+    swap(model, True)
+    fusion.unfuse_cpu_kernels(model)
+    assert "DecodeLayout" not in type(block).__qualname__ + type(attention).__qualname__
+
+
+@needs_ext
+def test_the_switch_keeps_mlx_lm_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(decode_layout.NO_DECODE_LAYOUT_ENV, "1")
+    model = tiny("llama", quantized=True)
+    assert decode_layout.use_decode_layout(model) == 0
+    assert all("DecodeLayout" not in type(m).__qualname__ for _, m in model.named_modules())
+
+
+def test_a_block_whose_parts_differ_keeps_mlx_lm_call() -> None:
+    """A block whose MLP is not mlx-lm's (a mixture of experts, a wrapper)
+    keeps its call; its attention still takes the layout."""
+    model = tiny("qwen2", quantized=False)
+
+    class OtherMLP(nn.Module):
+        def __init__(self, mlp: Any) -> None:
+            super().__init__()
+            self.inner = mlp
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.inner(x)
+
+    model.layers[0].mlp = OtherMLP(model.layers[0].mlp)
+    assert decode_layout.use_decode_layout(model) == 2 * len(model.layers) - 1
+    assert "DecodeLayout" not in type(model.layers[0]).__qualname__
+    assert "DecodeLayout" in type(model.layers[0].self_attn).__qualname__
+    assert "DecodeLayout" in type(model.layers[1]).__qualname__
+    assert decode_layout.restore_decode_layout(model) == 2 * len(model.layers) - 1
+
+
+@needs_ext
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_residual_product_is_the_bits_of_adding_after(rows: int, bias: bool) -> None:
+    """One operation where the kernels apply (float32, the bias fused or
+    none), a residual of any strides; ``residual + layer(x)`` otherwise."""
+    mx.random.seed(rows)
+    layer = nn.QuantizedLinear(128, 96, bias=bias, group_size=32, bits=4)
+    layer.__class__ = _qmatmul._FastQuantizedLinear
+    x = mx.random.normal((rows, 1, 128))
+    residuals = [mx.random.normal((rows, 1, 96)), mx.random.normal((96, rows)).T.reshape(rows, 1, 96)]
+    mx.eval(x, residuals, layer.parameters())
+    for residual in residuals:
+        got = _qmatmul.residual_product(layer, x, residual)
+        assert primitives(got) == {"AfmQuantizedMatmul": 1}
+        np.testing.assert_array_equal(np.array(got), np.array(residual + layer(x)))
+    half = _qmatmul.residual_product(layer, x.astype(mx.float16), residual.astype(mx.float16))
+    assert "Add" in primitives(half)  # (not fused: float16)
+    np.testing.assert_array_equal(np.array(half), np.array(residual.astype(mx.float16) + layer(x.astype(mx.float16))))
+    with pytest.raises(ValueError):
+        assert ext is not None
+        ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], 32, 4, None,
+                             mx.zeros((rows, 1, 95)))
