@@ -11,13 +11,16 @@ that compute nothing:
   transposes them to (B, H, L, D), and its output back the other way; with
   L = 1 one reshape reaches the same layout (the same elements in the same
   order), so :class:`Attention` layouts skip the four transposes;
+* a float16 cache (:mod:`.half_cache`, the engine's default) casts the
+  keys and values to float16 and writes each with a slice update; one
+  operation per buffer does both (:func:`update_and_fetch`);
 * the block adds each residual as an operation of its own after the
   attention's output product and after the MLP's down product; the product
   can add it in its epilogue (``qmm_ext.quantized_matmul``'s ``residual``:
   the one float32 addition the add would make), so :class:`Block` layouts
   skip the two additions.
 
-Together 6 operations of ~21 per layer.  Other calls (prompts, verify
+Together 8 operations of ~23 per layer.  Other calls (prompts, verify
 steps of more than one position, no cache) are mlx-lm's own, and so are
 the layers of other architectures and layers whose parts differ from
 mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
@@ -35,14 +38,41 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import half_cache
+from . import qmatmul as _qmm
 from .qmatmul import residual_product
 
-__all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "use_decode_layout"]
+__all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "update_and_fetch", "use_decode_layout"]
 
 NO_DECODE_LAYOUT_ENV = "AFM_NO_DECODE_LAYOUT"
 
 _QKV_NORMED = "mlx_lm.models.qwen3"
 """The architecture whose attention norms each head's query and key."""
+
+
+def update_and_fetch(cache: Any, keys: mx.array, values: mx.array) -> Any:
+    """``cache.update_and_fetch(keys, values)``; for a float16 cache
+    (:mod:`.half_cache`) with room for them, each buffer's cast and slice
+    update as one operation (``qmm_ext.kv_write``: the same float16 values,
+    written in place when nothing else holds the buffer, as a slice update
+    writes it)."""
+    ext = _qmm.extension()
+    batch = type(cache) is half_cache.BatchKVCache
+    if (ext is None or not (batch or type(cache) is half_cache.KVCache) or cache.keys is None
+            or keys.dtype != mx.float32 or values.dtype != mx.float32):
+        return cache.update_and_fetch(keys, values)
+    n = keys.shape[2]
+    prev = cache._idx if batch else cache.offset
+    if prev + n > cache.keys.shape[2]:
+        return cache.update_and_fetch(keys, values)  # (it grows the buffers)
+    cache.keys = ext.kv_write(cache.keys, keys, prev)
+    cache.values = ext.kv_write(cache.values, values, prev)
+    if batch:
+        cache.offset = cache.offset + n
+        cache._idx += n
+    else:
+        cache.offset += n
+    return cache.keys_and_values()
 
 
 def _attention_layout(base: type) -> type:
@@ -60,7 +90,7 @@ def _attention_layout(base: type) -> type:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
+        keys, values = update_and_fetch(cache, keys, values)
         output = module.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                      scale=self.scale, mask=mask)
         return output.reshape(b, 1, -1)  # type: ignore[no-any-return]

@@ -26,7 +26,13 @@
 //   The grouped gate/up product's SwiGLU epilogue (qmm_ext.cpp,
 //   quantized_matmul_swiglu) runs the same row code (swiglu_row): same bits.
 //
-// Float32 only; the Python side (afm_core._mlx.fusion, afm_core._mlx.activations)
+// * kv_write(buffer, x, at): a float16 KV cache buffer (B, H, S, D) with
+//   positions [at, at + L) set to x (B, H, L, D) float32, rounded to float16
+//   as astype rounds: what a float16 cache's update makes of a cast and a
+//   slice update.  Like MLX's slice update, the output takes the buffer
+//   over when nothing else holds it, and is a copy otherwise.
+//
+// Float32 only (the cache write: float16 buffers); the Python side (afm_core._mlx.fusion, afm_core._mlx.activations)
 // calls them where they apply and keeps MLX's graph elsewhere.
 #include <cmath>
 #include <cstdint>
@@ -315,6 +321,75 @@ class AfmRopeDecode : public mx::Primitive {
   bool traditional_;
 };
 
+// out (row-contiguous, float16, (B, H, S, D)) rows [at, at + L) = src (float32, any strides)
+void kv_rows(const mx::array& src, mx::array& out, int at) {
+  const int B = src.shape(0), H = src.shape(1), L = src.shape(2), D = src.shape(3);
+  const int S = out.shape(2);
+  const float* sp = src.data<float>();
+  mx::float16_t* op = out.data<mx::float16_t>();
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      for (int l = 0; l < L; ++l) {
+        const float* row = sp + b * src.strides(0) + h * src.strides(1) + l * src.strides(2);
+        mx::float16_t* dst = op + ((static_cast<int64_t>(b) * H + h) * S + at + l) * D;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<mx::float16_t>(row[d * src.strides(3)]);
+      }
+    }
+  }
+}
+
+// A float16 buffer (B, H, S, D) with positions [at, at + L) set to x (B, H, L,
+// D, float32) rounded to float16.  One output per operation: a primitive's
+// outputs each hold its inputs, so a buffer given to an operation of two
+// outputs could never be written in place.
+class AfmKvWrite : public mx::Primitive {
+ public:
+  AfmKvWrite(mx::Stream s, int at) : mx::Primitive(s), at_(at) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    // MLX's slice update's rule: the buffer is taken over when nothing else holds it
+    const bool copy = !(in[0].is_donatable() && in[0].flags().row_contiguous);
+    if (copy) {
+      afm_cpu::allocate(outs[0]);
+    } else {
+      outs[0].copy_shared_buffer(in[0]);
+    }
+    afm_cpu::dispatch(stream(), in, outs[0],
+                      [buf = mx::array::unsafe_weak_copy(in[0]), x = mx::array::unsafe_weak_copy(in[1]),
+                       out = mx::array::unsafe_weak_copy(outs[0]), at = at_, copy]() mutable {
+                        if (copy) copy_float16(buf, out);
+                        kv_rows(x, out, at);
+                      });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("afm kv_write: this primitive runs on the CPU only");
+  }
+  const char* name() const override { return "AfmKvWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return at_ == static_cast<const AfmKvWrite&>(other).at_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  // out (row-contiguous) = buf (float16, any strides), element by element
+  static void copy_float16(const mx::array& buf, mx::array& out) {
+    const mx::float16_t* bp = buf.data<mx::float16_t>();
+    mx::float16_t* op = out.data<mx::float16_t>();
+    if (buf.flags().row_contiguous) {
+      std::memcpy(op, bp, out.nbytes());
+      return;
+    }
+    const int B = buf.shape(0), H = buf.shape(1), S = buf.shape(2), D = buf.shape(3);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < S; ++t)
+          for (int d = 0; d < D; ++d)
+            *op++ = bp[b * buf.strides(0) + h * buf.strides(1) + t * buf.strides(2) + d * buf.strides(3)];
+  }
+  int at_;
+};
+
 mx::Stream cpu_stream(const char* what) {
   const mx::Stream stream = mx::default_stream(mx::default_device());
   if (stream.device != mx::Device::cpu) {
@@ -355,6 +430,19 @@ mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::arr
                    {x, offset, freqs});
 }
 
+mx::array kv_write(const mx::array& buffer, const mx::array& x, int at) {
+  if (buffer.ndim() != 4 || buffer.dtype() != mx::float16) {
+    throw std::invalid_argument("afm kv_write: the cache's buffer must be float16 (B, H, S, D)");
+  }
+  if (x.ndim() != 4 || x.dtype() != mx::float32 || x.shape(0) != buffer.shape(0) ||
+      x.shape(1) != buffer.shape(1) || x.shape(3) != buffer.shape(3) || at < 0 ||
+      at + x.shape(2) > buffer.shape(2)) {
+    throw std::invalid_argument("afm kv_write: x must be float32 (B, H, L, D) fitting the buffer at `at`");
+  }
+  const mx::Stream s = cpu_stream("afm kv_write");
+  return mx::array(buffer.shape(), mx::float16, std::make_shared<AfmKvWrite>(s, at), {buffer, x});
+}
+
 mx::array swiglu(const mx::array& gate, const mx::array& up) {
   if (gate.ndim() < 1 || gate.dtype() != mx::float32 || up.dtype() != mx::float32 ||
       gate.shape() != up.shape()) {
@@ -373,6 +461,10 @@ void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
 void register_layer_ops(nb::module_& m) {
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,
         "gate * sigmoid(gate) * up (mlx-lm's swiglu), float32, as one operation.");
+  m.def("kv_write", &kv_write, "buffer"_a, "x"_a, "at"_a,
+        "A float16 KV cache buffer (B, H, S, D) with positions [at, at + L) set to x (B, H, L, "
+        "D, float32) rounded to float16, as one operation; a buffer nothing else holds is "
+        "written in place.");
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "(x * rsqrt(mean(x^2, -1) + eps)) * weight, float32, as one operation.");
   m.def("rope_decode", &rope_decode, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a,

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
-from afm_core._mlx import decode_layout, fusion
+from afm_core._mlx import decode_layout, fusion, half_cache
 from afm_core._mlx import qmatmul as _qmatmul
 
 ext = _qmatmul.extension()
@@ -45,9 +45,12 @@ def primitives(out: mx.array) -> collections.Counter[str]:
     return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', graph))
 
 
-def decode(model: Any, rows: int) -> tuple[list[np.ndarray], collections.Counter[str]]:
-    """A prompt, then four decode steps: every step's logits, and the last step's operations."""
+def decode(model: Any, rows: int, half: bool = False) -> tuple[list[np.ndarray], collections.Counter[str]]:
+    """A prompt, then four decode steps: every step's logits, and the last
+    step's operations; ``half``: on float16 caches (:mod:`.half_cache`)."""
     cache = make_prompt_cache(model) if rows == 1 else [BatchKVCache([0, 3]) for _ in model.layers]
+    if half:
+        half_cache.to_half(cache)
     outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]][:rows]), cache=cache)]
     mx.eval(outs)
     ops: collections.Counter[str] = collections.Counter()
@@ -66,21 +69,25 @@ def swap(model: Any, layouts: bool) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int) -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int,
+                                                            half: bool) -> None:
     """Four operations fewer per layer (the transposes); with afm's
-    quantized products six (their epilogues add the residuals)."""
+    quantized products two more (their epilogues add the residuals); with a
+    float16 cache two more (a write for each buffer's cast and update)."""
     model = tiny(kind, quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     block, attention = model.layers[0], model.layers[0].self_attn
     assert type(block).__name__ == "TransformerBlock" and type(block).__mro__[1].__name__ == "TransformerBlock"
     assert "DecodeLayout" in type(block).__qualname__ and "DecodeLayout" in type(attention).__qualname__
-    ours, ops = decode(model, rows)
+    ours, ops = decode(model, rows, half)
     swap(model, False)
     assert "DecodeLayout" not in type(block).__qualname__ + type(attention).__qualname__
-    theirs, their_ops = decode(model, rows)
+    theirs, their_ops = decode(model, rows, half)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
-    fewer = 6 if quantized else 4
+    fewer = 4 + 2 * quantized + 2 * half
+    assert ops["AfmKvWrite"] == (2 * len(model.layers) if half else 0)
     assert sum(their_ops.values()) - sum(ops.values()) == fewer * len(model.layers)
     if quantized:
         assert their_ops["Add"] - ops["Add"] == 2 * len(model.layers)
@@ -141,3 +148,67 @@ def test_residual_product_is_the_bits_of_adding_after(rows: int, bias: bool) -> 
         assert ext is not None
         ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], 32, 4, None,
                              mx.zeros((rows, 1, 95)))
+
+
+@needs_ext
+@pytest.mark.parametrize("batch", [False, True])
+def test_kv_write_is_the_casts_and_slice_updates(batch: bool) -> None:
+    """The same float16 buffers as mlx-lm's update of a float16 cache, from
+    keys of any strides; a buffer something else still holds is copied, not
+    written; a cache without room grows through mlx-lm's update."""
+    mx.random.seed(1)
+    k0, v0 = mx.random.normal((2, 3, 5, 16)), mx.random.normal((2, 3, 5, 8))
+
+    def fresh() -> Any:
+        cache = half_cache.BatchKVCache([0, 2]) if batch else half_cache.KVCache()
+        cache.update_and_fetch(k0, v0)  # buffers of 256 positions, 5 used
+        mx.eval(cache.keys, cache.values)
+        return cache
+
+    for n in (1, 2):
+        k = mx.random.normal((2, n, 3, 16)).transpose(0, 2, 1, 3)  # strided, as mlx-lm makes them
+        v = mx.random.normal((2, 3, n, 8))
+        ours, theirs = fresh(), fresh()
+        held = ours.keys
+        before = np.array(held)
+        got = decode_layout.update_and_fetch(ours, k, v)
+        want = theirs.update_and_fetch(k, v)
+        assert primitives(got[0])["AfmKvWrite"] == primitives(got[1])["AfmKvWrite"] == 1
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+        np.testing.assert_array_equal(np.array(held), before)  # the held buffer was copied
+        assert (ours._idx if batch else ours.offset) == 5 + n
+        if batch:
+            assert (ours.offset == theirs.offset).all().item()
+    full = fresh()
+    big = mx.zeros((2, 3, 260, 16)), mx.zeros((2, 3, 260, 8))
+    got = decode_layout.update_and_fetch(full, *big)  # no room: mlx-lm's growth
+    assert got[0].shape[2] == 265 and "AfmKvWrite" not in primitives(got[0])
+    assert ext is not None
+    with pytest.raises(ValueError):
+        ext.kv_write(full.keys, mx.zeros((2, 3, 1, 15)), 0)
+    with pytest.raises(ValueError):
+        ext.kv_write(full.keys, mx.zeros((2, 3, 1, 16)), 10_000)
+    with pytest.raises(ValueError):
+        ext.kv_write(full.keys.astype(mx.float32), mx.zeros((2, 3, 1, 16)), 0)
+
+
+@needs_ext
+@pytest.mark.parametrize("batch", [False, True])
+def test_kv_write_writes_a_buffer_nothing_else_holds_in_place(batch: bool) -> None:
+    """As mlx-lm's slice update does: decoding must not copy the whole cache every step."""
+
+    def address(a: mx.array) -> int:
+        return int(np.asarray(memoryview(a)).__array_interface__["data"][0])
+
+    cache = half_cache.BatchKVCache([0]) if batch else half_cache.KVCache()
+    cache.update_and_fetch(mx.zeros((1, 3, 5, 16)), mx.zeros((1, 3, 5, 8)))
+    mx.eval(cache.keys, cache.values)
+    seen = set()
+    for _ in range(4):
+        k, v = decode_layout.update_and_fetch(cache, mx.ones((1, 3, 1, 16)), mx.ones((1, 3, 1, 8)))
+        total = k.sum() + v.sum()
+        del k, v
+        mx.eval(total)
+        seen.add((address(cache.keys), address(cache.values)))
+    assert len(seen) == 1 and total.item() == 4 * 3 * (16 + 8)  # the four written positions
