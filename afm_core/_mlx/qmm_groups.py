@@ -153,6 +153,19 @@ def _groupable(layers: list[Any]) -> bool:
         for layer in layers)
 
 
+def family_swiglu(gate: Any, up: Any, x: mx.array) -> mx.array | None:
+    """``silu(gate(x)) * up(x)`` as one product when ``gate`` and ``up`` are
+    a gate/up family's two members and ``x`` is float32 (what
+    :func:`fused_swiglu` recognises after the fact, without making the
+    members' outputs first); None otherwise."""
+    if type(gate) is not _GroupedQuantizedLinear or type(up) is not _GroupedQuantizedLinear:
+        return None
+    group = gate._group
+    if not group.swiglu or up._group is not group or (gate._index, up._index) != (0, 1) or x.dtype != mx.float32:
+        return None
+    return group.swiglu_product(x)
+
+
 def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
     """``silu(gate) * up`` as one product when ``gate`` and ``up`` are the two
     outputs a gate/up family served last on this thread (see the module

@@ -91,6 +91,8 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
     assert sum(their_ops.values()) - sum(ops.values()) == fewer * len(model.layers)
     if quantized:
         assert their_ops["Add"] - ops["Add"] == 2 * len(model.layers)
+        # the MLP's activation: the gate/up family's one product either way
+        assert ops["AfmQuantizedSwiglu"] == their_ops["AfmQuantizedSwiglu"] == len(model.layers)
     swap(model, True)
     fusion.unfuse_cpu_kernels(model)
     assert "DecodeLayout" not in type(block).__qualname__ + type(attention).__qualname__
