@@ -10,7 +10,9 @@ that compute nothing:
 * the attention shapes its queries, keys and values to (B, L, H, D) and
   transposes them to (B, H, L, D), and its output back the other way; with
   L = 1 one reshape reaches the same layout (the same elements in the same
-  order), so the attention layouts skip the four transposes;
+  order), so the attention layouts skip the four transposes, and embed
+  the queries' and keys' positions in one operation
+  (``_FusedRoPE.pair``);
 * a float16 cache (:mod:`.half_cache`, the engine's default) casts the
   keys and values to float16 and writes each with a slice update; one
   operation per buffer does both (:func:`update_and_fetch`);
@@ -23,7 +25,7 @@ that compute nothing:
   instead of making the two projections' outputs for ``swiglu`` to
   recognise: the same operation, built with less Python per step.
 
-Together 8 operations of ~23 per layer.  Other calls (prompts, verify
+Together 9 operations of ~23 per layer.  Other calls (prompts, verify
 steps of more than one position, no cache) are mlx-lm's own, and so are
 the layers of other architectures and layers whose parts differ from
 mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
@@ -43,6 +45,7 @@ import mlx.nn as nn
 
 from . import activations, half_cache
 from . import qmatmul as _qmm
+from .fusion import _FusedRoPE
 from .qmatmul import residual_product
 from .qmm_groups import family_swiglu
 from .reference_ops import kernels_allowed
@@ -93,8 +96,13 @@ def _attention_layout(base: type) -> type:
         values = self.v_proj(x).reshape(b, self.n_kv_heads, 1, -1)
         if normed:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
+        rope = self.rope
+        pair = rope.pair(queries, keys, cache.offset) if type(rope) is _FusedRoPE else None
+        if pair is None:
+            queries = rope(queries, offset=cache.offset)
+            keys = rope(keys, offset=cache.offset)
+        else:
+            queries, keys = pair
         keys, values = update_and_fetch(cache, keys, values)
         output = module.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                      scale=self.scale, mask=mask)

@@ -100,6 +100,11 @@ class _FusedRoPE(nn.RoPE):
             return self._kernels.get(x.shape[-1])(x, offset)
         return super().__call__(x, offset)
 
+    def pair(self, q: mx.array, k: mx.array, offset: Any) -> tuple[mx.array, mx.array] | None:
+        """``(self(q, offset), self(k, offset))`` as one operation where each
+        alone would take the extension's kernel (the same bits); None otherwise."""
+        return self._kernels.pair(q, k, offset)
+
 
 class _TransposedLinear(nn.Linear):
     """``nn.Linear`` whose ``weight`` is stored (input, output), contiguous."""
@@ -158,6 +163,7 @@ class _RopeKernels:
     def __init__(self, dims: int, traditional: bool, base: float, scale: float):
         self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
         self._by_head: dict[int, Kernel] = {}
+        self._freqs: dict[int, mx.array] = {}
         self._ops = _layer_ops()
 
     def applies(self, x: mx.array, offset: Any) -> bool:
@@ -170,6 +176,22 @@ class _RopeKernels:
         return (self._ops is not None and x.dtype == mx.float32
                 and 1 <= x.shape[-2] <= MAX_QUERY_POSITIONS
                 and (offset.dtype in _ROPE_OFFSET_TYPES if array else isinstance(offset, int)))
+
+    def pair(self, q: mx.array, k: mx.array, offset: Any) -> tuple[mx.array, mx.array] | None:
+        """Both embeddings as one operation (``rope_decode_pair``) where each
+        alone would take the extension's one-operation kernel; None otherwise."""
+        ops = self._ops
+        if ops is None or q.ndim != 4 or k.ndim != 4 or q.shape[-1] != k.shape[-1]:
+            return None
+        if isinstance(offset, int):
+            offset = mx.array(offset, dtype=mx.int32)
+        if not (q.dtype == k.dtype == mx.float32 and isinstance(offset, mx.array)
+                and offset.dtype in _ROPE_OFFSET_TYPES and self.applies(q, offset) and self.applies(k, offset)):
+            return None
+        self.get(q.shape[-1])  # (its frequencies)
+        q, k = ops.rope_decode_pair(q, k, offset, self._freqs[q.shape[-1]], 2 * (self.dims // 2),
+                                    self.traditional)
+        return q, k
 
     def get(self, head_dim: int) -> Kernel:
         kernel = self._by_head.get(head_dim)
@@ -188,6 +210,7 @@ class _RopeKernels:
             rotate[b, a], rotate[a, b] = -1.0, 1.0
         rotation = mx.array(rotate)
         mx.eval(freqs, rotation)  # constants: computed once, not in every step's graph
+        self._freqs[head_dim] = freqs
 
         def rope(x: mx.array, offset: mx.array) -> mx.array:
             angle = offset.astype(mx.float32)

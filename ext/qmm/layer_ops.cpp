@@ -49,6 +49,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_task.h"
 #include "mlx/array.h"
@@ -293,16 +294,23 @@ class AfmRMSNorm : public mx::Primitive {
   float eps_;
 };
 
+// inputs x_0 .. x_{n-1}, offset, freqs; output i the embedding of x_i (a
+// layer's queries and keys share one operation)
 class AfmRopeDecode : public mx::Primitive {
  public:
   AfmRopeDecode(mx::Stream s, int dims, bool traditional)
       : mx::Primitive(s), dims_(dims), traditional_(traditional) {}
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    afm_cpu::allocate(outs[0]);
-    afm_cpu::dispatch(stream(), in, outs[0],
-             [x = mx::array::unsafe_weak_copy(in[0]), t = mx::array::unsafe_weak_copy(in[1]),
-              f = mx::array::unsafe_weak_copy(in[2]), o = mx::array::unsafe_weak_copy(outs[0]),
-              dims = dims_, trad = traditional_]() mutable { rope_compute(x, t, f, o, dims, trad); });
+    for (auto& o : outs) afm_cpu::allocate(o);
+    std::vector<mx::array> w;
+    for (const auto& a : in) w.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& a : outs) w.push_back(mx::array::unsafe_weak_copy(a));
+    afm_cpu::dispatch(stream(), in, outs,
+                      [w = std::move(w), n = outs.size(), dims = dims_, trad = traditional_]() mutable {
+                        for (size_t i = 0; i < n; ++i) {
+                          rope_compute(w[i], w[n], w[n + 1], w[n + 2 + i], dims, trad);
+                        }
+                      });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("afm rope: this primitive runs on the CPU only");
@@ -313,7 +321,9 @@ class AfmRopeDecode : public mx::Primitive {
     return dims_ == o.dims_ && traditional_ == o.traditional_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {in[0].shape()};
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 0; i + 2 < in.size(); ++i) shapes.push_back(in[i].shape());
+    return shapes;
   }
 
  private:
@@ -408,8 +418,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   return mx::array(x.shape(), mx::float32, std::make_shared<AfmRMSNorm>(s, eps), {x, w});
 }
 
-mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::array& freqs,
-                      int dims, bool traditional) {
+void check_rope(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims) {
   if (x.ndim() != 4 || x.dtype() != mx::float32) {
     throw std::invalid_argument("afm rope: x must be float32 (B, H, L, D)");
   }
@@ -425,9 +434,25 @@ mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::arr
     throw std::invalid_argument(
         "afm rope: offset must be a scalar or (B,) array of int32, int64, uint32 or float32");
   }
+}
+
+mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::array& freqs,
+                      int dims, bool traditional) {
+  check_rope(x, offset, freqs, dims);
   const mx::Stream s = cpu_stream("afm rope");
   return mx::array(x.shape(), mx::float32, std::make_shared<AfmRopeDecode>(s, dims, traditional),
                    {x, offset, freqs});
+}
+
+std::vector<mx::array> rope_decode_pair(const mx::array& q, const mx::array& k,
+                                        const mx::array& offset, const mx::array& freqs, int dims,
+                                        bool traditional) {
+  check_rope(q, offset, freqs, dims);
+  check_rope(k, offset, freqs, dims);
+  const mx::Stream s = cpu_stream("afm rope");
+  return mx::array::make_arrays({q.shape(), k.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<AfmRopeDecode>(s, dims, traditional),
+                                {q, k, offset, freqs});
 }
 
 mx::array kv_write(const mx::array& buffer, const mx::array& x, int at) {
@@ -461,6 +486,10 @@ void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
 void register_layer_ops(nb::module_& m) {
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,
         "gate * sigmoid(gate) * up (mlx-lm's swiglu), float32, as one operation.");
+  m.def("rope_decode_pair", &rope_decode_pair, "q"_a, "k"_a, "offset"_a, "freqs"_a, "dims"_a,
+        "traditional"_a,
+        "rope_decode of a layer's queries and keys (same offset, freqs and dims) as one "
+        "operation: the bits of two rope_decode calls.");
   m.def("kv_write", &kv_write, "buffer"_a, "x"_a, "at"_a,
         "A float16 KV cache buffer (B, H, S, D) with positions [at, at + L) set to x (B, H, L, "
         "D, float32) rounded to float16, as one operation; a buffer nothing else holds is "

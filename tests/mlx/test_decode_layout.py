@@ -72,9 +72,10 @@ def swap(model: Any, layouts: bool) -> None:
 @pytest.mark.parametrize("half", [False, True])
 def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int,
                                                             half: bool) -> None:
-    """Four operations fewer per layer (the transposes); with afm's
-    quantized products two more (their epilogues add the residuals); with a
-    float16 cache two more (a write for each buffer's cast and update)."""
+    """Five operations fewer per layer (the transposes, and the queries'
+    and keys' rotary embeddings in one); with afm's quantized products two
+    more (their epilogues add the residuals); with a float16 cache two more
+    (a write for each buffer's cast and update)."""
     model = tiny(kind, quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     block, attention = model.layers[0], model.layers[0].self_attn
@@ -86,7 +87,8 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
     theirs, their_ops = decode(model, rows, half)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
-    fewer = 4 + 2 * quantized + 2 * half
+    fewer = 5 + 2 * quantized + 2 * half
+    assert (ops["AfmRopeDecode"], their_ops["AfmRopeDecode"]) == (len(model.layers), 2 * len(model.layers))
     assert ops["AfmKvWrite"] == (2 * len(model.layers) if half else 0)
     assert sum(their_ops.values()) - sum(ops.values()) == fewer * len(model.layers)
     if quantized:

@@ -98,6 +98,33 @@ def test_rope_of_positions_is_one_position_calls_and_mlx(n, traditional, offset_
 
 
 @needs_ext
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("offset", [37, "rows"])
+def test_rope_pair_is_two_rope_calls(traditional, offset):
+    """A layer's queries and keys in one operation: the bits of one call each,
+    through ``_FusedRoPE.pair`` where both calls would take the kernel."""
+    dims, head_dim = 48, 64
+    freqs = _freqs(dims, head_dim, traditional)
+    mx.random.seed(5)
+    q = mx.random.normal((3, 1, 6, head_dim)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((3, 2, 1, head_dim))
+    at = mx.array(offset, dtype=mx.int32) if isinstance(offset, int) else mx.array([0, 37, 4099])
+    got = ext.rope_decode_pair(q, k, at, freqs, dims, traditional)
+    for g, x in zip(got, (q, k), strict=True):
+        np.testing.assert_array_equal(np.array(g), np.array(ext.rope_decode(x, at, freqs, dims, traditional)))
+    layer = nn.RoPE(dims, traditional=traditional, base=10000.0)
+    fusion.fuse_cpu_kernels(layer)
+    pair = layer.pair(q, k, offset if isinstance(offset, int) else at)
+    assert pair is not None
+    for g, x in zip(pair, (q, k), strict=True):
+        np.testing.assert_array_equal(np.array(g), np.array(layer(x, offset if isinstance(offset, int) else at)))
+    assert layer.pair(q.astype(mx.float16), k.astype(mx.float16), at) is None  # (not the kernel's)
+    assert layer.pair(q, k[:, :, :, :32], at) is None
+    with pytest.raises(ValueError, match="offset"):
+        ext.rope_decode_pair(q, k, mx.array([1, 2]), freqs, dims, traditional)
+
+
+@needs_ext
 def test_refusals():
     x = mx.zeros((1, 2, 1, 8))
     f = mx.zeros((8,))
