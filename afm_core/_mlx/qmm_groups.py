@@ -59,6 +59,9 @@ SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), _SWIGLU
 NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
 NO_SWIGLU_ENV = "AFM_NO_QMM_SWIGLU"
 
+Norm = tuple[mx.array, float]
+"""An RMS norm's weight and eps, computed in a product's prologue."""
+
 _served = threading.local()
 """``pair``: weak references to the last SwiGLU family's outputs served on
 this thread, their input and the family (MLX work stays on one thread)."""
@@ -70,6 +73,7 @@ class _Group:
     __slots__ = (
         "__weakref__",
         "_left",
+        "_norm",
         "_outs",
         "_x",
         "biases",
@@ -92,6 +96,7 @@ class _Group:
         self.members: list[Any] = layers
         self.splits: list[int] = [int(layer["weight"].shape[0]) for layer in layers]
         self._x: mx.array | None = None
+        self._norm: mx.array | None = None
         self._outs: list[mx.array] | None = None
         self._left: set[int] = set()
         self.swiglu = swiglu  # a gate/up family whose product can end in SwiGLU
@@ -101,17 +106,19 @@ class _Group:
         start = sum(self.splits[:index])
         return start, start + self.splits[index]
 
-    def columns(self, x: mx.array, index: int) -> mx.array:
+    def columns(self, x: mx.array, index: int, norm: Norm | None = None) -> mx.array:
         """Member ``index``'s output for ``x`` (its bias added), from the
-        family's one product."""
-        if self._x is not x:
+        family's one product; with ``norm`` (an RMS norm's weight and eps,
+        float32), for ``rms_norm(x)`` computed in the product's prologue."""
+        weight, eps = norm if norm is not None else (None, 0.0)
+        if self._x is not x or self._norm is not weight:
             ext = _qmm.extension()
             assert ext is not None
             biases = [_qmm.fused_bias(layer, x) for layer in self.members]
-            self._x = x
+            self._x, self._norm = x, weight
             self._outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases,
                                                     self.group_size, self.bits, self.splits,
-                                                    biases)
+                                                    biases, weight, eps)
             for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
                 if "bias" in layer and bias is None:  # a bias the product cannot add
                     self._outs[i] = self._outs[i] + layer["bias"]
@@ -120,17 +127,19 @@ class _Group:
         assert outs is not None
         self._left.discard(index)
         if not self._left:  # every member served: hold no activations between calls
-            if self.swiglu and x.dtype == mx.float32:
+            if self.swiglu and x.dtype == mx.float32 and weight is None:
                 _served.pair = tuple(weakref.ref(o) for o in (outs[0], outs[1], x, self))
-            self._x = self._outs = None
+            self._x = self._outs = self._norm = None
         return outs[index]
 
-    def swiglu_product(self, x: mx.array) -> mx.array:
-        """``silu(gate) * up`` of the family's product of ``x``, as one operation."""
+    def swiglu_product(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        """``silu(gate) * up`` of the family's product of ``x`` (of
+        ``rms_norm(x)`` with ``norm``), as one operation."""
         ext = _qmm.extension()
         assert ext is not None
+        weight, eps = norm if norm is not None else (None, 0.0)
         return ext.quantized_matmul_swiglu(x, self.weight, self.scales, self.biases,
-                                           self.group_size, self.bits)
+                                           self.group_size, self.bits, weight, eps)
 
 
 class _GroupedQuantizedLinear(_qmm._FastQuantizedLinear):
@@ -153,17 +162,33 @@ def _groupable(layers: list[Any]) -> bool:
         for layer in layers)
 
 
-def family_swiglu(gate: Any, up: Any, x: mx.array) -> mx.array | None:
+def family_swiglu(gate: Any, up: Any, x: mx.array, norm: Norm | None = None) -> mx.array | None:
     """``silu(gate(x)) * up(x)`` as one product when ``gate`` and ``up`` are
     a gate/up family's two members and ``x`` is float32 (what
     :func:`fused_swiglu` recognises after the fact, without making the
-    members' outputs first); None otherwise."""
+    members' outputs first); of ``rms_norm(x)`` with ``norm`` (see
+    :meth:`_Group.columns`); None otherwise."""
     if type(gate) is not _GroupedQuantizedLinear or type(up) is not _GroupedQuantizedLinear:
         return None
     group = gate._group
     if not group.swiglu or up._group is not group or (gate._index, up._index) != (0, 1) or x.dtype != mx.float32:
         return None
-    return group.swiglu_product(x)
+    return group.swiglu_product(x, norm)
+
+
+def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm) -> list[mx.array] | None:
+    """Each of ``layers``' output for ``rms_norm(x)`` (``norm``: its weight
+    and eps) from their family's one product, the norm in its prologue, when
+    ``layers`` are a whole family in order and ``x`` is float32; None otherwise."""
+    first = layers[0]
+    if type(first) is not _GroupedQuantizedLinear or x.dtype != mx.float32:
+        return None
+    group = first._group
+    if len(layers) != len(group.members) or any(
+            type(layer) is not _GroupedQuantizedLinear or layer._group is not group or layer._index != i
+            for i, layer in enumerate(layers)):
+        return None
+    return [group.columns(x, i, norm) for i in range(len(layers))]
 
 
 def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:

@@ -75,13 +75,12 @@ int64_t row_offset(const mx::array& a, int64_t r) {
   return off;
 }
 
-void rms_norm_compute(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+void rms_norm_compute(const mx::array& x, const mx::array& w, float* op, float eps) {
   const int D = x.shape(-1);
   const int64_t rows = D > 0 ? static_cast<int64_t>(x.size() / D) : 0;
   const int64_t xs = x.strides(-1), ws = w.strides(0);
   const float* xp = x.data<float>();
   const float* wp = w.data<float>();
-  float* op = out.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + row_offset(x, r);
     float* o = op + r * D;
@@ -276,7 +275,7 @@ class AfmRMSNorm : public mx::Primitive {
     afm_cpu::dispatch(stream(), in, outs[0],
              [x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
               o = mx::array::unsafe_weak_copy(outs[0]), eps = eps_]() mutable {
-               rms_norm_compute(x, w, o, eps);
+               rms_norm_compute(x, w, o.data<float>(), eps);
              });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -478,6 +477,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
 }
 
 }  // namespace
+
+void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps) {
+  rms_norm_compute(x, w, out, eps);
+}
 
 void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
   swiglu_contiguous(gate, up, out, n);

@@ -61,6 +61,9 @@ void register_layer_ops(nb::module_& m);  // layer_ops.cpp
 // silu(gate) * up over n contiguous elements, as the swiglu operation
 // computes a row (layer_ops.cpp).
 void swiglu_row(const float* gate, const float* up, float* out, int64_t n);
+// rms_norm's rows of x (float32, any strides) into out (rows x D, dense),
+// as the rms_norm operation computes them (layer_ops.cpp).
+void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps);
 }
 
 namespace afm_qmm {
@@ -421,16 +424,14 @@ struct Operands {
   QWeights wt;
 };
 
-Operands operands(const mx::array& x, const mx::array& w, const mx::array& scales,
-                  const mx::array& biases, int group, int bits) {
-  Operands o;
-  const int K = x.shape(-1);
-  o.M = K > 0 ? static_cast<int>(x.size() / K) : 0;
+// x's rows as dense float32 (M x K): x's own buffer where it is one, else a
+// thread_local copy (held until this thread's next call)
+const float* dense_rows(const mx::array& x, int M, int K) {
   // row m of x: offsets from the strides of the leading dimensions
   thread_local std::vector<int64_t> offsets;
-  offsets.resize(o.M);
+  offsets.resize(M);
   const int lead = x.ndim() - 1;
-  for (int m = 0; m < o.M; ++m) {
+  for (int m = 0; m < M; ++m) {
     int64_t rem = m, off = 0;
     for (int ax = lead - 1; ax >= 0; --ax) {
       const int64_t dim = x.shape(ax);
@@ -440,7 +441,16 @@ Operands operands(const mx::array& x, const mx::array& w, const mx::array& scale
     offsets[m] = off;
   }
   thread_local std::vector<float> xbuf;
-  o.x = float_rows(x, o.M, K, offsets.data(), x.strides(-1), xbuf);
+  return float_rows(x, M, K, offsets.data(), x.strides(-1), xbuf);
+}
+
+// rows: x's rows already dense (a norm prologue's, normed_rows), or null.
+Operands operands(const mx::array& x, const mx::array& w, const mx::array& scales,
+                  const mx::array& biases, int group, int bits, const float* rows = nullptr) {
+  Operands o;
+  const int K = x.shape(-1);
+  o.M = K > 0 ? static_cast<int>(x.size() / K) : 0;
+  o.x = rows != nullptr ? rows : dense_rows(x, o.M, K);
   thread_local std::vector<uint32_t> wcopy;
   thread_local std::vector<uint16_t> scopy16, bcopy16;
   thread_local std::vector<float> scopy32, bcopy32;
@@ -644,12 +654,23 @@ void swiglu_product(const Operands& o, float* out) {
 // columns in an array of its own: no slice operations, no view keeping the
 // whole product alive); or, `swiglu`, the one output silu(first half) *
 // (second half) (swiglu_product).
+// rms_norm(x, w, eps)'s rows, dense, in a thread_local buffer (held until
+// this thread's next call): a product's norm prologue.
+const float* normed_rows(const mx::array& x, const mx::array& w, float eps) {
+  thread_local std::vector<float> buf;
+  buf.resize(x.size());
+  afm_layer::rms_norm_rows(x, w, buf.data(), eps);
+  return buf.data();
+}
+
 class AfmQuantizedMatmul : public mx::Primitive {
  public:
   AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
-                     std::vector<bool> has_bias, bool swiglu = false, bool residual = false)
+                     std::vector<bool> has_bias, bool swiglu = false, bool residual = false,
+                     bool norm = false, float norm_eps = 0.0f)
       : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
-        has_bias_(std::move(has_bias)), swiglu_(swiglu), residual_(residual) {}
+        has_bias_(std::move(has_bias)), swiglu_(swiglu), residual_(residual), norm_(norm),
+        norm_eps_(norm_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) afm_cpu::allocate(o);
@@ -659,12 +680,14 @@ class AfmQuantizedMatmul : public mx::Primitive {
     afm_cpu::dispatch(stream(), inputs, outputs,
                       [in = std::move(weak_in), out = std::move(weak_out), group = group_,
                        bits = bits_, splits = splits_, has_bias = has_bias_, swiglu = swiglu_,
-                       residual = residual_]() mutable {
+                       residual = residual_, norm = norm_, eps = norm_eps_]() mutable {
+                        // with a norm prologue, inputs[4] is its weight (the biases follow)
+                        const float* rows = norm ? normed_rows(in[0], in[4], eps) : nullptr;
                         if (swiglu) {
-                          swiglu_product(operands(in[0], in[1], in[2], in[3], group, bits),
+                          swiglu_product(operands(in[0], in[1], in[2], in[3], group, bits, rows),
                                          out[0].data<float>());
                         } else {
-                          run(in, out, group, bits, splits, has_bias);
+                          run(in, out, group, bits, splits, has_bias, rows, norm ? 5 : 4);
                           if (residual) add_residual(in.back(), out[0]);
                         }
                       });
@@ -682,7 +705,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
     const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
     return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ &&
            has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_ &&
-           residual_ == o.residual_;
+           residual_ == o.residual_ && norm_ == o.norm_ && norm_eps_ == o.norm_eps_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -697,8 +720,9 @@ class AfmQuantizedMatmul : public mx::Primitive {
 
  private:
   static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, int group, int bits,
-                  const std::vector<int>& splits, const std::vector<bool>& has_bias) {
-    const Operands o = operands(in[0], in[1], in[2], in[3], group, bits);
+                  const std::vector<int>& splits, const std::vector<bool>& has_bias,
+                  const float* rows, size_t first_bias) {
+    const Operands o = operands(in[0], in[1], in[2], in[3], group, bits, rows);
     const int M = o.M, N = o.wt.N;
     if (M == 0) return;
     bool all_f32 = true;
@@ -707,7 +731,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
     if (sgemm != nullptr && all_f32) {
       // each member's columns straight into its own output, its bias added there
       int start = 0;
-      size_t next_bias = 4;
+      size_t next_bias = first_bias;
       for (size_t i = 0; i < splits.size(); ++i) {
         float* y = out[i].data<float>();
         gemm_columns(sgemm, o.x, M, o.wt, start, start + splits[i], y, splits[i]);
@@ -734,7 +758,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
     }
     if (direct) return;
     int start = 0;
-    size_t next_bias = 4;
+    size_t next_bias = first_bias;
     for (size_t i = 0; i < splits.size(); ++i) {
       const mx::array* bias = has_bias[i] ? &in[next_bias++] : nullptr;
       write_columns(y, M, N, start, splits[i], bias, out[i]);
@@ -745,7 +769,8 @@ class AfmQuantizedMatmul : public mx::Primitive {
   int group_, bits_;
   std::vector<int> splits_;
   std::vector<bool> has_bias_;
-  bool swiglu_, residual_;
+  bool swiglu_, residual_, norm_;
+  float norm_eps_;
 };
 
 // The checks every product makes of its operands; the CPU stream it runs on.
@@ -782,11 +807,24 @@ mx::Stream checked_stream(const mx::array& x, const mx::array& w, const mx::arra
   return stream;
 }
 
+// A product's norm prologue: rms_norm(x, weight, eps) is the product's input.
+void check_norm(const mx::array& x, const std::optional<mx::array>& norm_weight) {
+  if (norm_weight.has_value() &&
+      (x.dtype() != mx::float32 || norm_weight->dtype() != mx::float32 ||
+       norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(-1))) {
+    throw std::invalid_argument(
+        "afm qmm: a norm prologue needs float32 x and a float32 weight of x's last dimension");
+  }
+}
+
 std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::array& w,
                                               const mx::array& scales, const mx::array& biases,
                                               int group_size, int bits, std::vector<int> splits,
-                                              const std::vector<std::optional<mx::array>>& bias) {
+                                              const std::vector<std::optional<mx::array>>& bias,
+                                              const std::optional<mx::array>& norm_weight,
+                                              float norm_eps) {
   const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
+  check_norm(x, norm_weight);
   const int N = w.shape(0);
   const mx::Dtype out_type = x.dtype();
   if (splits.empty()) splits.push_back(N);
@@ -800,6 +838,7 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
     throw std::invalid_argument("afm qmm: one bias (or None) per split");
   }
   std::vector<mx::array> inputs = {x, w, scales, biases};
+  if (norm_weight.has_value()) inputs.push_back(*norm_weight);
   std::vector<bool> has_bias(splits.size(), false);
   for (size_t i = 0; i < bias.size(); ++i) {
     if (!bias[i].has_value()) continue;
@@ -819,14 +858,18 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
   std::vector<mx::Dtype> dtypes(splits.size(), out_type);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
-      std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias), inputs);
+      std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias, false, false,
+                                           norm_weight.has_value(), norm_eps),
+      inputs);
 }
 
 // silu(x @ gate.T) * (x @ up.T), w (and its scales and biases) being gate's
 // rows then up's: one float32 output of half w's rows.
 mx::array quantized_matmul_swiglu(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, int group_size, int bits) {
+                                  const mx::array& biases, int group_size, int bits,
+                                  const std::optional<mx::array>& norm_weight, float norm_eps) {
   const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
+  check_norm(x, norm_weight);
   if (x.dtype() != mx::float32) throw std::invalid_argument("afm qmm: swiglu: x must be float32");
   if (w.shape(0) % 2 != 0) {
     throw std::invalid_argument("afm qmm: swiglu: w must have an even number of rows (gate, up)");
@@ -836,15 +879,18 @@ mx::array quantized_matmul_swiglu(const mx::array& x, const mx::array& w, const 
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits,
                                                         std::vector<int>{w.shape(0) / 2},
-                                                        std::vector<bool>{false}, true),
-                   {x, w, scales, biases});
+                                                        std::vector<bool>{false}, true, false,
+                                                        norm_weight.has_value(), norm_eps),
+                   norm_weight.has_value() ? std::vector<mx::array>{x, w, scales, biases, *norm_weight}
+                                           : std::vector<mx::array>{x, w, scales, biases});
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits,
                            const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& residual) {
-  mx::array y = quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias})[0];
+  mx::array y =
+      quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias}, std::nullopt, 0.0f)[0];
   if (!residual.has_value()) return y;
   // the same product with the residual added in its epilogue
   if (x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
@@ -1064,10 +1110,12 @@ NB_MODULE(qmm_ext, m) {
         "+ residual (float32, the output's shape, float32 x), the bits of adding it after");
   m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
+        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
         "quantized_matmul as one array per split: output i is the next splits[i] columns of "
-        "the product, plus bias[i] where it is not None (1-D, x's dtype)");
+        "the product, plus bias[i] where it is not None (1-D, x's dtype); with norm_weight, "
+        "of rms_norm(x, norm_weight, norm_eps) (float32): the bits of rms_norm's output");
   m.def("quantized_matmul_swiglu", &afm_qmm::quantized_matmul_swiglu, "x"_a, "w"_a, "scales"_a,
-        "biases"_a, "group_size"_a, "bits"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
         "silu(x @ gate.T) * (x @ up.T) for w = gate's rows then up's (a SwiGLU MLP's grouped "
         "gate/up projections), float32: the bits of swiglu() on quantized_matmul_split's two "
         "outputs, without either of them as an array");

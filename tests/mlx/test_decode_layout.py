@@ -73,9 +73,10 @@ def swap(model: Any, layouts: bool) -> None:
 def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int,
                                                             half: bool) -> None:
     """Five operations fewer per layer (the transposes, and the queries'
-    and keys' rotary embeddings in one); with afm's quantized products two
-    more (their epilogues add the residuals); with a float16 cache two more
-    (a write for each buffer's cast and update)."""
+    and keys' rotary embeddings in one); with afm's quantized products four
+    more (their epilogues add the residuals, their prologues compute the
+    norms); with a float16 cache two more (a write for each buffer's cast
+    and update)."""
     model = tiny(kind, quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     block, attention = model.layers[0], model.layers[0].self_attn
@@ -87,7 +88,7 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
     theirs, their_ops = decode(model, rows, half)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
-    fewer = 5 + 2 * quantized + 2 * half
+    fewer = 5 + 4 * quantized + 2 * half
     assert (ops["AfmRopeDecode"], their_ops["AfmRopeDecode"]) == (len(model.layers), 2 * len(model.layers))
     assert ops["AfmKvWrite"] == (2 * len(model.layers) if half else 0)
     assert sum(their_ops.values()) - sum(ops.values()) == fewer * len(model.layers)
@@ -95,6 +96,10 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
         assert their_ops["Add"] - ops["Add"] == 2 * len(model.layers)
         # the MLP's activation: the gate/up family's one product either way
         assert ops["AfmQuantizedSwiglu"] == their_ops["AfmQuantizedSwiglu"] == len(model.layers)
+        # the block's norms in the q/k/v and gate/up products' prologues: the
+        # model's final one is left (and qwen3's per-head query and key norms)
+        left = 1 + (2 * len(model.layers) if kind == "qwen3" else 0)
+        assert (ops["AfmRMSNorm"], their_ops["AfmRMSNorm"]) == (left, left + 2 * len(model.layers))
     swap(model, True)
     fusion.unfuse_cpu_kernels(model)
     assert "DecodeLayout" not in type(block).__qualname__ + type(attention).__qualname__
@@ -216,3 +221,31 @@ def test_kv_write_writes_a_buffer_nothing_else_holds_in_place(batch: bool) -> No
         mx.eval(total)
         seen.add((address(cache.keys), address(cache.values)))
     assert len(seen) == 1 and total.item() == 4 * 3 * (16 + 8)  # the four written positions
+
+
+@needs_ext
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_a_norm_prologue_is_the_bits_of_the_norm_first(rows: int) -> None:
+    """The split and SwiGLU products of ``rms_norm(x)`` with the norm in
+    their prologue: the bits of the norm operation's output multiplied, for
+    rows on the integer kernels and on sgemm, x of any strides."""
+    assert ext is not None
+    mx.random.seed(rows)
+    w = mx.random.normal((192, 128))
+    wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    weight = mx.random.normal((128,))
+    bias = [mx.random.normal((96,)), None]
+    for x in (mx.random.normal((rows, 1, 128)), mx.random.normal((128, rows)).T.reshape(rows, 1, 128)):
+        normed = ext.rms_norm(x, weight, 1e-5)
+        got = ext.quantized_matmul_split(x, wq, scales, biases, 32, 4, [96, 96], bias, weight, 1e-5)
+        want = ext.quantized_matmul_split(normed, wq, scales, biases, 32, 4, [96, 96], bias)
+        assert primitives(got[0])["AfmRMSNorm"] == 0
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+        np.testing.assert_array_equal(
+            np.array(ext.quantized_matmul_swiglu(x, wq, scales, biases, 32, 4, weight, 1e-5)),
+            np.array(ext.quantized_matmul_swiglu(normed, wq, scales, biases, 32, 4)))
+    with pytest.raises(ValueError, match="norm"):
+        ext.quantized_matmul_swiglu(x.astype(mx.float16), wq, scales, biases, 32, 4, weight, 1e-5)
+    with pytest.raises(ValueError, match="norm"):
+        ext.quantized_matmul_split(x, wq, scales, biases, 32, 4, [192], [], weight[:64], 1e-5)
