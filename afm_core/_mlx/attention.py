@@ -181,8 +181,24 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     if ext is not None and _applies(queries, keys, values, cache, mask, sinks):
         causal = isinstance(mask, str)  # at one query position it hides nothing
         return ext.decode_attention(queries, keys, values, float(scale),
-                                    None if causal else _scores_mask(mask, queries, keys), causal)
+                                    None if causal else _scores_mask(mask, queries, keys.shape[2]), causal)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def decode_heads(queries: mx.array, keys: mx.array, values: mx.array, length: int, cache: Any,
+                 scale: float, mask: Any) -> mx.array | None:
+    """:func:`scaled_dot_product_attention` of one query position per row
+    over the first ``length`` positions of a KV cache's buffers ``keys`` and
+    ``values`` (read in place: no slices of them in the graph), its output
+    as (B, 1, Hq x D); None where the decode kernel does not apply (the
+    caller then slices the buffers and calls the function the model uses)."""
+    ext = _qmm.extension() if kernels_allowed() else None
+    if ext is None or queries.shape[2] != 1 or not _applies(queries, keys, values, cache, mask, None):
+        return None
+    causal = isinstance(mask, str)
+    return ext.decode_attention(queries, keys, values, float(scale),
+                                None if causal else _scores_mask(mask, queries, length), causal,
+                                length, True)
 
 
 class _LastMask(threading.local):
@@ -194,14 +210,14 @@ class _LastMask(threading.local):
 _last_mask = _LastMask()
 
 
-def _scores_mask(mask: Any, queries: mx.array, keys: mx.array) -> Any:
-    """``mask`` broadcast to the scores' shape (B, Hq, L, S), as the decode
+def _scores_mask(mask: Any, queries: mx.array, keys: int) -> Any:
+    """``mask`` broadcast to the scores' shape (B, Hq, L, S = ``keys``), as the decode
     kernel reads it.  A model passes the same mask to every layer, so the
     broadcast is made once per forward and shared (the kernel would
     otherwise add one to the graph per layer); None stays None."""
     if not isinstance(mask, mx.array):
         return mask
-    shape = (queries.shape[0], queries.shape[1], queries.shape[2], keys.shape[2])
+    shape = (queries.shape[0], queries.shape[1], queries.shape[2], keys)
     last = _last_mask
     if last.mask is not mask or last.shape != shape:
         last.scores = mx.broadcast_to(mask, shape)  # (raises for a mask that does not broadcast)

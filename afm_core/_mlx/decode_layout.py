@@ -45,8 +45,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import cache as _cache
 
-from . import activations, half_cache
+from . import activations, attention, half_cache
 from . import qmatmul as _qmm
 from .fusion import _FusedRMSNorm, _FusedRoPE, _layer_ops
 from .qmatmul import residual_product
@@ -61,12 +62,13 @@ _QKV_NORMED = "mlx_lm.models.qwen3"
 """The architecture whose attention norms each head's query and key."""
 
 
-def update_and_fetch(cache: Any, keys: mx.array, values: mx.array) -> Any:
+def update_and_fetch(cache: Any, keys: mx.array, values: mx.array, *, fetch: bool = True) -> Any:
     """``cache.update_and_fetch(keys, values)``; for a float16 cache
     (:mod:`.half_cache`) with room for them, each buffer's cast and slice
     update as one operation (``qmm_ext.kv_write``: the same float16 values,
     written in place when nothing else holds the buffer, as a slice update
-    writes it)."""
+    writes it).  ``fetch`` False: that path returns None instead of the
+    slices of the buffers (the caller reads the buffers in place)."""
     ext = _qmm.extension()
     batch = type(cache) is half_cache.BatchKVCache
     if (ext is None or not (batch or type(cache) is half_cache.KVCache) or cache.keys is None
@@ -83,7 +85,22 @@ def update_and_fetch(cache: Any, keys: mx.array, values: mx.array) -> Any:
         cache._idx += n
     else:
         cache.offset += n
-    return cache.keys_and_values()
+    return cache.keys_and_values() if fetch else None
+
+
+_PLAIN_SINGLE = (_cache.KVCache, half_cache.KVCache)
+_PLAIN_BATCH = (_cache.BatchKVCache, half_cache.BatchKVCache)
+
+
+def _filled(cache: Any) -> int | None:
+    """The positions a plain KV cache (mlx-lm's or :mod:`.half_cache`'s)
+    holds, the first of its buffers; None for other caches."""
+    kind = type(cache)
+    if kind in _PLAIN_BATCH:
+        return int(cache._idx)
+    if kind in _PLAIN_SINGLE:
+        return int(cache.offset)
+    return None
 
 
 def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
@@ -107,17 +124,18 @@ def _attention_layout(base: type) -> type:
         ``norm(x)``, in the q/k/v product's prologue where it can be."""
         b = x.shape[0]
         projections = (self.q_proj, self.k_proj, self.v_proj)
+        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
         outs = None
         if norm is not None:
             args = _norm_args(norm, x)
-            outs = family_outputs(projections, x, args) if args is not None else None
+            outs = family_outputs(projections, x, args, heads) if args is not None else None
             if outs is None:
                 x = norm(x)
+        if outs is None:  # (B, H, 1, D) straight from the product where it can be
+            outs = family_outputs(projections, x, None, heads)
         if outs is None:
-            outs = [p(x) for p in projections]
-        queries = outs[0].reshape(b, self.n_heads, 1, -1)
-        keys = outs[1].reshape(b, self.n_kv_heads, 1, -1)
-        values = outs[2].reshape(b, self.n_kv_heads, 1, -1)
+            outs = [p(x).reshape(b, h, 1, -1) for p, h in zip(projections, heads, strict=True)]
+        queries, keys, values = outs
         if normed:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         rope = self.rope
@@ -127,7 +145,14 @@ def _attention_layout(base: type) -> type:
             keys = rope(keys, offset=cache.offset)
         else:
             queries, keys = pair
-        keys, values = update_and_fetch(cache, keys, values)
+        fetched = update_and_fetch(cache, keys, values, fetch=False)
+        filled = _filled(cache)
+        if filled is not None and module.scaled_dot_product_attention is attention.scaled_dot_product_attention:
+            # the cache's buffers read in place, the output in (B, 1, H x D)
+            merged = attention.decode_heads(queries, cache.keys, cache.values, filled, cache, self.scale, mask)
+            if merged is not None:
+                return merged
+        keys, values = fetched if fetched is not None else cache.keys_and_values()
         output = module.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                      scale=self.scale, mask=mask)
         return output.reshape(b, 1, -1)  # type: ignore[no-any-return]

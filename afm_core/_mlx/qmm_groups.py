@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -106,10 +107,13 @@ class _Group:
         start = sum(self.splits[:index])
         return start, start + self.splits[index]
 
-    def columns(self, x: mx.array, index: int, norm: Norm | None = None) -> mx.array:
+    def columns(self, x: mx.array, index: int, norm: Norm | None = None,
+                shapes: Sequence[Sequence[int]] | None = None) -> mx.array:
         """Member ``index``'s output for ``x`` (its bias added), from the
         family's one product; with ``norm`` (an RMS norm's weight and eps,
-        float32), for ``rms_norm(x)`` computed in the product's prologue."""
+        float32), for ``rms_norm(x)`` computed in the product's prologue;
+        with ``shapes``, each member's output in its shape (the same
+        elements in the same order) when this call makes the product."""
         weight, eps = norm if norm is not None else (None, 0.0)
         if self._x is not x or self._norm is not weight:
             ext = _qmm.extension()
@@ -118,7 +122,7 @@ class _Group:
             self._x, self._norm = x, weight
             self._outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases,
                                                     self.group_size, self.bits, self.splits,
-                                                    biases, weight, eps)
+                                                    biases, weight, eps, shapes or [])
             for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
                 if "bias" in layer and bias is None:  # a bias the product cannot add
                     self._outs[i] = self._outs[i] + layer["bias"]
@@ -176,10 +180,14 @@ def family_swiglu(gate: Any, up: Any, x: mx.array, norm: Norm | None = None) -> 
     return group.swiglu_product(x, norm)
 
 
-def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm) -> list[mx.array] | None:
-    """Each of ``layers``' output for ``rms_norm(x)`` (``norm``: its weight
-    and eps) from their family's one product, the norm in its prologue, when
-    ``layers`` are a whole family in order and ``x`` is float32; None otherwise."""
+def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
+                   heads: tuple[int, ...]) -> list[mx.array] | None:
+    """Each of ``layers``' output for ``x`` (B, 1, K) (for ``rms_norm(x)``
+    with ``norm``: its weight and eps, the norm in the product's prologue)
+    from their family's one product, shaped (B, heads[i], 1, width /
+    heads[i]) (the same elements), when ``layers`` are a whole family in
+    order, without biases added after the product, and ``x`` is float32;
+    None otherwise."""
     first = layers[0]
     if type(first) is not _GroupedQuantizedLinear or x.dtype != mx.float32:
         return None
@@ -188,7 +196,13 @@ def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm) -> list[mx.
             type(layer) is not _GroupedQuantizedLinear or layer._group is not group or layer._index != i
             for i, layer in enumerate(layers)):
         return None
-    return [group.columns(x, i, norm) for i in range(len(layers))]
+    if x.ndim != 3 or x.shape[1] != 1 or any(n % h for n, h in zip(group.splits, heads, strict=True)):
+        return None
+    if any("bias" in layer and _qmm.fused_bias(layer, x) is None for layer in layers):
+        return None  # (a bias added after the product: the outputs keep their shapes)
+    shapes = [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)]
+    group._x = None  # a product of its own, shaped as asked
+    return [group.columns(x, i, norm, shapes) for i in range(len(layers))]
 
 
 def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:

@@ -667,10 +667,10 @@ class AfmQuantizedMatmul : public mx::Primitive {
  public:
   AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
                      std::vector<bool> has_bias, bool swiglu = false, bool residual = false,
-                     bool norm = false, float norm_eps = 0.0f)
+                     bool norm = false, float norm_eps = 0.0f, std::vector<mx::Shape> shapes = {})
       : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
         has_bias_(std::move(has_bias)), swiglu_(swiglu), residual_(residual), norm_(norm),
-        norm_eps_(norm_eps) {}
+        norm_eps_(norm_eps), shapes_(std::move(shapes)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) afm_cpu::allocate(o);
@@ -705,10 +705,12 @@ class AfmQuantizedMatmul : public mx::Primitive {
     const auto& o = static_cast<const AfmQuantizedMatmul&>(other);
     return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ &&
            has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_ &&
-           residual_ == o.residual_ && norm_ == o.norm_ && norm_eps_ == o.norm_eps_;
+           residual_ == o.residual_ && norm_ == o.norm_ && norm_eps_ == o.norm_eps_ &&
+           shapes_ == o.shapes_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (!shapes_.empty()) return shapes_;
     std::vector<mx::Shape> shapes;
     for (int n : splits_) {
       mx::Shape shape = inputs[0].shape();
@@ -771,6 +773,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
   std::vector<bool> has_bias_;
   bool swiglu_, residual_, norm_;
   float norm_eps_;
+  std::vector<mx::Shape> shapes_;  // the outputs' shapes, when not x's with the split's width
 };
 
 // The checks every product makes of its operands; the CPU stream it runs on.
@@ -822,7 +825,8 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
                                               int group_size, int bits, std::vector<int> splits,
                                               const std::vector<std::optional<mx::array>>& bias,
                                               const std::optional<mx::array>& norm_weight,
-                                              float norm_eps) {
+                                              float norm_eps,
+                                              const std::vector<std::vector<int>>& out_shapes) {
   const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
   check_norm(x, norm_weight);
   const int N = w.shape(0);
@@ -855,11 +859,27 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
     shape.back() = n;
     shapes.push_back(std::move(shape));
   }
+  std::vector<mx::Shape> custom;
+  if (!out_shapes.empty()) {  // the same elements in the same order, shaped as asked
+    if (out_shapes.size() != splits.size()) {
+      throw std::invalid_argument("afm qmm: one shape per split");
+    }
+    const int64_t rows = x.shape(-1) > 0 ? static_cast<int64_t>(x.size() / x.shape(-1)) : 0;
+    for (size_t i = 0; i < splits.size(); ++i) {
+      int64_t size = 1;
+      for (int d : out_shapes[i]) size *= d;
+      if (size != rows * splits[i]) {
+        throw std::invalid_argument("afm qmm: a split's shape must hold its rows x width elements");
+      }
+      custom.emplace_back(out_shapes[i].begin(), out_shapes[i].end());
+    }
+    shapes = custom;
+  }
   std::vector<mx::Dtype> dtypes(splits.size(), out_type);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias, false, false,
-                                           norm_weight.has_value(), norm_eps),
+                                           norm_weight.has_value(), norm_eps, std::move(custom)),
       inputs);
 }
 
@@ -890,7 +910,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& residual) {
   mx::array y =
-      quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias}, std::nullopt, 0.0f)[0];
+      quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias}, std::nullopt, 0.0f, {})[0];
   if (!residual.has_value()) return y;
   // the same product with the residual added in its epilogue
   if (x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
@@ -922,8 +942,10 @@ afm_attn::View4 view4(const mx::array& a) {
   return v;
 }
 
+// length: the keys read (the first `length` of k's and v's positions), or -1: all
 void attention_compute(const mx::array& q, const mx::array& k, const mx::array& v,
-                       const mx::array* mask, mx::array& out, float scale, bool causal) {
+                       const mx::array* mask, mx::array& out, float scale, bool causal,
+                       int length) {
   afm_attn::Args a;
   a.q = view4(q);
   a.k = view4(k);
@@ -934,7 +956,7 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
   a.Hq = q.shape(1);
   a.Hkv = k.shape(1);
   a.L = q.shape(2);
-  a.S = k.shape(2);
+  a.S = length >= 0 ? length : k.shape(2);
   a.D = q.shape(3);
   a.causal = causal;
   a.scale = scale;
@@ -960,8 +982,10 @@ void attention_compute(const mx::array& q, const mx::array& k, const mx::array& 
 
 class AfmDecodeAttention : public mx::Primitive {
  public:
-  AfmDecodeAttention(mx::Stream stream, float scale, bool causal)
-      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
+  AfmDecodeAttention(mx::Stream stream, float scale, bool causal, int length = -1,
+                     bool merge_heads = false)
+      : mx::Primitive(stream), scale_(scale), causal_(causal), length_(length),
+        merge_heads_(merge_heads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
@@ -972,8 +996,8 @@ class AfmDecodeAttention : public mx::Primitive {
                   v = mx::array::unsafe_weak_copy(inputs[2]),
                   m = mx::array::unsafe_weak_copy(inputs[masked ? 3 : 0]), masked,
                   out = mx::array::unsafe_weak_copy(out), scale = scale_,
-                  causal = causal_]() mutable {
-      attention_compute(q, k, v, masked ? &m : nullptr, out, scale, causal);
+                  causal = causal_, length = length_]() mutable {
+      attention_compute(q, k, v, masked ? &m : nullptr, out, scale, causal, length);
     });
   }
 
@@ -985,31 +1009,44 @@ class AfmDecodeAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AfmDecodeAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && length_ == o.length_ &&
+           merge_heads_ == o.merge_heads_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    const mx::Shape& q = inputs[0].shape();
+    if (merge_heads_) return {{q[0], q[2], q[1] * q[3]}};
+    return {q};
   }
 
  private:
   float scale_;
   bool causal_;
+  int length_;
+  bool merge_heads_;
 };
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           float scale, const std::optional<mx::array>& mask, bool causal) {
+                           float scale, const std::optional<mx::array>& mask, bool causal,
+                           int length, bool merge_heads) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     throw std::invalid_argument("afm attention: q, k and v must have 4 dimensions");
   }
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int Hkv = k.shape(1), S = k.shape(2);
+  const int Hkv = k.shape(1);
+  if (length > k.shape(2) || length < -1 || (length >= 0 && length < L)) {
+    throw std::invalid_argument("afm attention: length must be -1 or from L to the keys' positions");
+  }
+  if (merge_heads && L != 1) {
+    throw std::invalid_argument("afm attention: merge_heads needs one query position");
+  }
+  const int S = length >= 0 ? length : k.shape(2);
   if (L < 1 || L > kMaxQueryPositions) {
     throw std::invalid_argument("afm attention: 1 to " + std::to_string(kMaxQueryPositions) +
                                 " query positions");
   }
   if (k.shape(0) != B || v.shape(0) != B || k.shape(3) != D || v.shape(3) != D ||
-      v.shape(1) != Hkv || v.shape(2) != S) {
+      v.shape(1) != Hkv || v.shape(2) != k.shape(2)) {
     throw std::invalid_argument("afm attention: k and v must be (B, Hkv, S, D) for q (B, Hq, L, D)");
   }
   if (Hkv == 0 || Hq % Hkv != 0) {
@@ -1032,8 +1069,9 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
     // (raises for a mask that does not broadcast to the scores)
     inputs.push_back(mx::broadcast_to(*mask, {B, Hq, L, S}, stream));
   }
-  return mx::array({B, Hq, L, D}, mx::float32,
-                   std::make_shared<AfmDecodeAttention>(stream, scale, causal),
+  mx::Shape shape = merge_heads ? mx::Shape{B, L, Hq * D} : mx::Shape{B, Hq, L, D};
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<AfmDecodeAttention>(stream, scale, causal, length, merge_heads),
                    std::move(inputs));
 }
 
@@ -1111,9 +1149,11 @@ NB_MODULE(qmm_ext, m) {
   m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
         "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
+        "shapes"_a = std::vector<std::vector<int>>{},
         "quantized_matmul as one array per split: output i is the next splits[i] columns of "
         "the product, plus bias[i] where it is not None (1-D, x's dtype); with norm_weight, "
-        "of rms_norm(x, norm_weight, norm_eps) (float32): the bits of rms_norm's output");
+        "of rms_norm(x, norm_weight, norm_eps) (float32): the bits of rms_norm's output; "
+        "shapes: each output's shape (its elements in the same order)");
   m.def("quantized_matmul_swiglu", &afm_qmm::quantized_matmul_swiglu, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
         "silu(x @ gate.T) * (x @ up.T) for w = gate's rows then up's (a SwiGLU MLP's grouped "
@@ -1121,13 +1161,15 @@ NB_MODULE(qmm_ext, m) {
         "outputs, without either of them as an array");
   afm_layer::register_layer_ops(m);
   m.def("decode_attention", &afm_qmm::decode_attention, "q"_a, "k"_a, "v"_a, "scale"_a,
-        "mask"_a = nb::none(), "causal"_a = false,
+        "mask"_a = nb::none(), "causal"_a = false, "length"_a = -1, "merge_heads"_a = false,
         "softmax(scale * q k^T + mask) v for a few query positions per (batch, head): q (B, "
         "Hq, L, D) with L at most 16, float32; k and v (B, Hkv, S, D), float32 or float16; a "
         "bool mask keeps where "
         "true, a float32 mask is added; both broadcast to (B, Hq, L, S); causal: query l sees "
         "the keys up to S - L + l.  Position l gives the bits of a one-position call on the "
-        "keys up to it.");
+        "keys up to it.  length (>= 0): only the first length positions of k and v (S = "
+        "length: a KV cache's buffers read in place); merge_heads (L = 1): the output as (B, 1, "
+        "Hq x D), the same elements.");
   m.def("isa", [] { return std::string(afm_qmm::kernels().name); },
         "The instruction set of the kernels in use.");
   m.def("available_isas", [] {

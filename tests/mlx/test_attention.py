@@ -382,12 +382,35 @@ def test_float16_keys_and_values_are_widened_exactly(isa, n, mask_kind):
 def test_a_mask_shared_by_the_layers_is_broadcast_once():
     q, k, _ = _qkv(2, 4, 2, 8, 16)
     mask = mx.array([[True] * 8, [False] * 3 + [True] * 5])[:, None, None, :]
-    first = _attention._scores_mask(mask, q, k)
+    first = _attention._scores_mask(mask, q, k.shape[2])
     assert first.shape == (2, 4, 1, 8)
-    assert _attention._scores_mask(mask, q, k) is first  # the next layer's
+    assert _attention._scores_mask(mask, q, k.shape[2]) is first  # the next layer's
     three = mx.random.normal((2, 4, 3, 16))  # a verify step's three positions
-    assert _attention._scores_mask(mask, three, k).shape == (2, 4, 3, 8)
-    assert _attention._scores_mask(None, q, k) is None
+    assert _attention._scores_mask(mask, three, k.shape[2]).shape == (2, 4, 3, 8)
+    assert _attention._scores_mask(None, q, k.shape[2]) is None
     with pytest.raises(ValueError):
-        _attention._scores_mask(mx.ones((3, 8), dtype=mx.bool_), q, k)
+        _attention._scores_mask(mx.ones((3, 8), dtype=mx.bool_), q, k.shape[2])
 
+
+
+@needs_ext
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_a_cache_buffer_read_in_place_with_its_length(half, mask_kind):
+    """``length`` reads the first positions of the buffers (a KV cache's, no
+    slices in the graph) and ``merge_heads`` gives (B, 1, Hq x D): the bits
+    of the call on the slices, reshaped."""
+    q, k, v = _qkv(2, 4, 2, 40, 16)
+    if half:
+        k, v = k.astype(mx.float16), v.astype(mx.float16)
+    mask = None if mask_kind == "none" else mx.array([[True] * 29, [False] * 5 + [True] * 24])[:, None, None, :]
+    got = ext.decode_attention(q, k, v, 0.25, mask, False, 29, True)
+    want = ext.decode_attention(q, k[:, :, :29], v[:, :, :29], 0.25, mask, False)
+    assert got.shape == (2, 1, 64)
+    np.testing.assert_array_equal(np.array(got), np.array(want).reshape(2, 1, 64))
+    with pytest.raises(ValueError, match="length"):
+        ext.decode_attention(q, k, v, 0.25, None, False, 41)
+    with pytest.raises(ValueError, match="length"):
+        ext.decode_attention(q, k, v, 0.25, None, False, 0)
+    with pytest.raises(ValueError, match="merge_heads"):
+        ext.decode_attention(mx.zeros((2, 4, 3, 16)), k, v, 0.25, None, True, 29, True)
