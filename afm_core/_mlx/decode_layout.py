@@ -49,7 +49,7 @@ from mlx_lm.models import cache as _cache
 
 from . import activations, attention, half_cache
 from . import qmatmul as _qmm
-from .fusion import _FusedRMSNorm, _FusedRoPE, _layer_ops
+from .fusion import _FusedRMSNorm, _FusedRoPE
 from .qmatmul import residual_product
 from .qmm_groups import family_outputs, family_swiglu
 from .reference_ops import kernels_allowed
@@ -106,12 +106,10 @@ def _filled(cache: Any) -> int | None:
 def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
     """``norm``'s weight and eps when a product's prologue computes what
     ``norm(x)`` would (an afm norm on the extension's kernel, float32)."""
-    if type(norm) is not _FusedRMSNorm or x.dtype != mx.float32 or not kernels_allowed():
+    if type(norm) is not _FusedRMSNorm or not norm._one_operation or x.dtype != mx.float32:
         return None
     weight = norm["weight"]
-    if weight.dtype != mx.float32 or _layer_ops() is None:
-        return None
-    return weight, float(norm.eps)
+    return (weight, float(norm.eps)) if weight.dtype == mx.float32 and kernels_allowed() else None
 
 
 def _attention_layout(base: type) -> type:

@@ -86,6 +86,7 @@ Kernel = Callable[[mx.array, mx.array], mx.array]
 
 class _FusedRMSNorm(nn.RMSNorm):
     _kernels: tuple[Kernel, Kernel]  # (one token per row, any shape)
+    _one_operation = False  # float32 inputs take the extension's rms_norm (a product's prologue can)
 
     def __call__(self, x: mx.array) -> mx.array:
         decode = x.ndim >= 3 and x.shape[1] == 1
@@ -295,6 +296,7 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
                 norms[layer.eps] = _norm_kernels(layer.eps)
             kernels = norms[layer.eps]
             layer.__class__ = _FusedRMSNorm
+            object.__setattr__(layer, "_one_operation", _layer_ops() is not None)
         elif type(layer) is nn.RoPE:
             key = (layer.dims, layer.traditional, layer.base, layer.scale)
             if key not in ropes:
@@ -337,6 +339,8 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
             mx.eval(layer["weight"])
         elif isinstance(layer, (_FusedRMSNorm, _FusedRoPE, _HeadEmbedding)):
             object.__delattr__(layer, "_kernels")
+            if isinstance(layer, _FusedRMSNorm):
+                object.__delattr__(layer, "_one_operation")
         else:
             continue
         layer.__class__ = layer.__class__.__mro__[1]

@@ -251,3 +251,20 @@ def test_a_norm_prologue_is_the_bits_of_the_norm_first(rows: int) -> None:
         ext.quantized_matmul_swiglu(x.astype(mx.float16), wq, scales, biases, 32, 4, weight, 1e-5)
     with pytest.raises(ValueError, match="norm"):
         ext.quantized_matmul_split(x, wq, scales, biases, 32, 4, [192], [], weight[:64], 1e-5)
+
+
+@needs_ext
+def test_norms_on_mlx_kernels_stay_outside_the_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``AFM_NO_LAYER_OPS=1`` the norms are MLX's compiled kernels: a
+    product's prologue (the extension's norm) would not give their bits, so
+    they stay operations of their own."""
+    monkeypatch.setenv(fusion.NO_LAYER_OPS_ENV, "1")
+    model = tiny("llama", quantized=True)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    ours, ops = decode(model, 1)
+    swap(model, False)
+    theirs, _ = decode(model, 1)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert "AfmRMSNorm" not in ops and ops["Multiply"] >= 2 * len(model.layers)  # (the norms' graphs)
+    assert not any(layer.input_layernorm._one_operation for layer in model.layers)
