@@ -9,10 +9,14 @@ that compute nothing:
 
 * the attention shapes its queries, keys and values to (B, L, H, D) and
   transposes them to (B, H, L, D), and its output back the other way; with
-  L = 1 one reshape reaches the same layout (the same elements in the same
-  order), so the attention layouts skip the four transposes, and embed
-  the queries' and keys' positions in one operation
-  (``_FusedRoPE.pair``);
+  L = 1 the (B, H, 1, D) layout holds the same elements in the same order,
+  so the q/k/v family's product writes its outputs in that shape
+  (``qmm_groups.family_outputs``) and the attention kernel writes its
+  output as (B, 1, H x D) (``decode_attention``'s ``merge_heads``): eight
+  reshapes and transposes fewer.  The queries' and keys' rotary
+  embeddings are one operation (``_FusedRoPE.pair``), and the attention
+  reads the cache's buffers in place up to the positions they hold
+  (``attention.decode_heads``) instead of through two slices;
 * a float16 cache (:mod:`.half_cache`, the engine's default) casts the
   keys and values to float16 and writes each with a slice update; one
   operation per buffer does both (:func:`update_and_fetch`);
@@ -28,7 +32,8 @@ that compute nothing:
   q/k/v and the gate/up product; those products compute it in their
   prologue (the same row code, so the same bits), two operations fewer.
 
-Together 11 operations of ~23 per layer.  Other calls (prompts, verify
+A layer's decode is then 8 operations (the default model's step: 300
+instead of 897).  Other calls (prompts, verify
 steps of more than one position, no cache) are mlx-lm's own, and so are
 the layers of other architectures and layers whose parts differ from
 mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
@@ -78,8 +83,8 @@ def update_and_fetch(cache: Any, keys: mx.array, values: mx.array, *, fetch: boo
     prev = cache._idx if batch else cache.offset
     if prev + n > cache.keys.shape[2]:
         return cache.update_and_fetch(keys, values)  # (it grows the buffers)
-    cache.keys = ext.kv_write(cache.keys, keys, prev)
-    cache.values = ext.kv_write(cache.values, values, prev)
+    ext.kv_write(cache.keys, keys, prev)  # (the array objects change, as with `a[...] = x`)
+    ext.kv_write(cache.values, values, prev)
     if batch:
         cache.offset = cache.offset + n
         cache._idx += n
@@ -112,37 +117,44 @@ def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
     return (weight, float(norm.eps)) if weight.dtype == mx.float32 and kernels_allowed() else None
 
 
+def _heads(attn: Any, x: mx.array, norm: Any) -> list[mx.array]:
+    """``attn``'s queries, keys and values of ``x`` (of ``norm(x)`` with a
+    norm), each (B, H, 1, D): from the q/k/v family's product, the norm in
+    its prologue and the heads in its output shape, where it can be."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
+    if norm is not None:
+        args = _norm_args(norm, x)
+        outs = family_outputs(projections, x, args, heads) if args is not None else None
+        if outs is not None:
+            return outs
+        x = norm(x)
+    outs = family_outputs(projections, x, None, heads)
+    if outs is not None:
+        return outs
+    return [p(x).reshape(x.shape[0], h, 1, -1) for p, h in zip(projections, heads, strict=True)]
+
+
+def _embed_positions(rope: Any, queries: mx.array, keys: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
+    """``rope`` of the queries and of the keys, as one operation where it can be."""
+    pair = rope.pair(queries, keys, offset) if type(rope) is _FusedRoPE else None
+    if pair is not None:
+        return pair
+    return rope(queries, offset=offset), rope(keys, offset=offset)
+
+
 def _attention_layout(base: type) -> type:
     """``base`` (an mlx-lm ``Attention``) whose call at one position per row
-    shapes the heads directly (see the module docstring)."""
+    makes fewer operations (see the module docstring)."""
 
     def attend(self: Any, x: mx.array, mask: Any, cache: Any, norm: Any = None) -> mx.array:
         """The heads' output at one position per row, (B, 1, H x D), before
         the output product; with ``norm`` (the block's input norm), of
-        ``norm(x)``, in the q/k/v product's prologue where it can be."""
-        b = x.shape[0]
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        outs = None
-        if norm is not None:
-            args = _norm_args(norm, x)
-            outs = family_outputs(projections, x, args, heads) if args is not None else None
-            if outs is None:
-                x = norm(x)
-        if outs is None:  # (B, H, 1, D) straight from the product where it can be
-            outs = family_outputs(projections, x, None, heads)
-        if outs is None:
-            outs = [p(x).reshape(b, h, 1, -1) for p, h in zip(projections, heads, strict=True)]
-        queries, keys, values = outs
+        ``norm(x)``."""
+        queries, keys, values = _heads(self, x, norm)
         if normed:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
-        rope = self.rope
-        pair = rope.pair(queries, keys, cache.offset) if type(rope) is _FusedRoPE else None
-        if pair is None:
-            queries = rope(queries, offset=cache.offset)
-            keys = rope(keys, offset=cache.offset)
-        else:
-            queries, keys = pair
+        queries, keys = _embed_positions(self.rope, queries, keys, cache.offset)
         fetched = update_and_fetch(cache, keys, values, fetch=False)
         filled = _filled(cache)
         if filled is not None and module.scaled_dot_product_attention is attention.scaled_dot_product_attention:
@@ -153,7 +165,7 @@ def _attention_layout(base: type) -> type:
         keys, values = fetched if fetched is not None else cache.keys_and_values()
         output = module.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                      scale=self.scale, mask=mask)
-        return output.reshape(b, 1, -1)  # type: ignore[no-any-return]
+        return output.reshape(x.shape[0], 1, -1)  # type: ignore[no-any-return]
 
     def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if x.shape[1] != 1 or cache is None:
@@ -166,6 +178,24 @@ def _attention_layout(base: type) -> type:
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
 
+def _activation(mlp: Any, norm: Any, h: mx.array, swiglu: Any) -> mx.array:
+    """``swiglu(gate(norm(h)), up(norm(h)))`` of ``mlp``: the gate/up
+    family's one SwiGLU product (the norm in its prologue where it can be)
+    when ``swiglu`` is afm's, else the two projections and ``swiglu``."""
+    n = None
+    if swiglu is activations.swiglu and kernels_allowed():
+        args = _norm_args(norm, h)
+        act = family_swiglu(mlp.gate_proj, mlp.up_proj, h, args) if args is not None else None
+        if act is not None:
+            return act
+        n = norm(h)
+        act = family_swiglu(mlp.gate_proj, mlp.up_proj, n)
+        if act is not None:
+            return act
+    n = norm(h) if n is None else n
+    return swiglu(mlp.gate_proj(n), mlp.up_proj(n))  # type: ignore[no-any-return]
+
+
 def _block_layout(base: type) -> type:
     """``base`` (an mlx-lm ``TransformerBlock``) whose call at one position
     per row adds each residual in the product before it."""
@@ -175,19 +205,8 @@ def _block_layout(base: type) -> type:
             return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
         attn = self.self_attn
         h = residual_product(attn.o_proj, attn.attend(x, mask, cache, self.input_layernorm), x)
-        mlp, norm = self.mlp, self.post_attention_layernorm
-        act = n = None
-        if module.swiglu is activations.swiglu and kernels_allowed():  # afm's SwiGLU: the family's product
-            args = _norm_args(norm, h)
-            if args is not None:
-                act = family_swiglu(mlp.gate_proj, mlp.up_proj, h, args)
-            if act is None:
-                n = norm(h)
-                act = family_swiglu(mlp.gate_proj, mlp.up_proj, n)
-        if act is None:
-            n = norm(h) if n is None else n
-            act = module.swiglu(mlp.gate_proj(n), mlp.up_proj(n))
-        return residual_product(mlp.down_proj, act, h)
+        act = _activation(self.mlp, self.post_attention_layernorm, h, module.swiglu)
+        return residual_product(self.mlp.down_proj, act, h)
 
     module = sys.modules[base.__module__]
     return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,

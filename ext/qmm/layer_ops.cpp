@@ -26,11 +26,12 @@
 //   The grouped gate/up product's SwiGLU epilogue (qmm_ext.cpp,
 //   quantized_matmul_swiglu) runs the same row code (swiglu_row): same bits.
 //
-// * kv_write(buffer, x, at): a float16 KV cache buffer (B, H, S, D) with
-//   positions [at, at + L) set to x (B, H, L, D) float32, rounded to float16
+// * kv_write(buffer, x, at): buffer[:, :, at:at + L] = x for a float16 KV
+//   cache buffer (B, H, S, D) and x (B, H, L, D) float32, rounded to float16
 //   as astype rounds: what a float16 cache's update makes of a cast and a
-//   slice update.  Like MLX's slice update, the output takes the buffer
-//   over when nothing else holds it, and is a copy otherwise.
+//   slice update, and like Python's item assignment it changes the array
+//   object itself.  Like MLX's slice update, the operation takes the old
+//   buffer over when nothing else holds it, and copies it otherwise.
 //
 // Float32 only (the cache write: float16 buffers); the Python side (afm_core._mlx.fusion, afm_core._mlx.activations)
 // calls them where they apply and keeps MLX's graph elsewhere.
@@ -454,7 +455,11 @@ std::vector<mx::array> rope_decode_pair(const mx::array& q, const mx::array& k,
                                 {q, k, offset, freqs});
 }
 
-mx::array kv_write(const mx::array& buffer, const mx::array& x, int at) {
+// Like MLX's `a[...] = x` in Python: the array object itself then holds the
+// written buffer, so every holder of it (a cache and the row it was merged
+// from, say) sees the write, and the old buffer, held by nothing else, is
+// taken over instead of copied.
+void kv_write(mx::array& buffer, const mx::array& x, int at) {
   if (buffer.ndim() != 4 || buffer.dtype() != mx::float16) {
     throw std::invalid_argument("afm kv_write: the cache's buffer must be float16 (B, H, S, D)");
   }
@@ -464,7 +469,8 @@ mx::array kv_write(const mx::array& buffer, const mx::array& x, int at) {
     throw std::invalid_argument("afm kv_write: x must be float32 (B, H, L, D) fitting the buffer at `at`");
   }
   const mx::Stream s = cpu_stream("afm kv_write");
-  return mx::array(buffer.shape(), mx::float16, std::make_shared<AfmKvWrite>(s, at), {buffer, x});
+  buffer.overwrite_descriptor(
+      mx::array(buffer.shape(), mx::float16, std::make_shared<AfmKvWrite>(s, at), {buffer, x}));
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& up) {
@@ -494,9 +500,9 @@ void register_layer_ops(nb::module_& m) {
         "rope_decode of a layer's queries and keys (same offset, freqs and dims) as one "
         "operation: the bits of two rope_decode calls.");
   m.def("kv_write", &kv_write, "buffer"_a, "x"_a, "at"_a,
-        "A float16 KV cache buffer (B, H, S, D) with positions [at, at + L) set to x (B, H, L, "
-        "D, float32) rounded to float16, as one operation; a buffer nothing else holds is "
-        "written in place.");
+        "buffer[:, :, at:at + L] = x as MLX's item assignment does it (the array object "
+        "changes), for a float16 KV cache buffer (B, H, S, D) and x (B, H, L, D, float32) "
+        "rounded to float16, as one operation; a buffer nothing else holds is written in place.");
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "(x * rsqrt(mean(x^2, -1) + eps)) * weight, float32, as one operation.");
   m.def("rope_decode", &rope_decode, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a,
