@@ -74,7 +74,6 @@ class _Group:
     __slots__ = (
         "__weakref__",
         "_left",
-        "_norm",
         "_outs",
         "_x",
         "biases",
@@ -97,7 +96,6 @@ class _Group:
         self.members: list[Any] = layers
         self.splits: list[int] = [int(layer["weight"].shape[0]) for layer in layers]
         self._x: mx.array | None = None
-        self._norm: mx.array | None = None
         self._outs: list[mx.array] | None = None
         self._left: set[int] = set()
         self.swiglu = swiglu  # a gate/up family whose product can end in SwiGLU
@@ -107,33 +105,38 @@ class _Group:
         start = sum(self.splits[:index])
         return start, start + self.splits[index]
 
-    def columns(self, x: mx.array, index: int, norm: Norm | None = None,
-                shapes: Sequence[Sequence[int]] | None = None) -> mx.array:
-        """Member ``index``'s output for ``x`` (its bias added), from the
-        family's one product; with ``norm`` (an RMS norm's weight and eps,
-        float32), for ``rms_norm(x)`` computed in the product's prologue;
-        with ``shapes``, each member's output in its shape (the same
-        elements in the same order) when this call makes the product."""
+    def product(self, x: mx.array, norm: Norm | None = None,
+                shapes: Sequence[Sequence[int]] | None = None) -> list[mx.array]:
+        """Every member's output for ``x`` (its bias added) from the family's
+        one product; with ``norm`` (an RMS norm's weight and eps, float32),
+        for ``rms_norm(x)`` computed in the product's prologue; with
+        ``shapes``, each output in its shape (the same elements in the same
+        order)."""
+        ext = _qmm.extension()
+        assert ext is not None
         weight, eps = norm if norm is not None else (None, 0.0)
-        if self._x is not x or self._norm is not weight:
-            ext = _qmm.extension()
-            assert ext is not None
-            biases = [_qmm.fused_bias(layer, x) for layer in self.members]
-            self._x, self._norm = x, weight
-            self._outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases,
-                                                    self.group_size, self.bits, self.splits,
-                                                    biases, weight, eps, shapes or [])
-            for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
-                if "bias" in layer and bias is None:  # a bias the product cannot add
-                    self._outs[i] = self._outs[i] + layer["bias"]
+        biases = [_qmm.fused_bias(layer, x) for layer in self.members]
+        outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases, self.group_size,
+                                          self.bits, self.splits, biases, weight, eps, shapes or [])
+        for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
+            if "bias" in layer and bias is None:  # a bias the product cannot add
+                outs[i] = outs[i] + layer["bias"]
+        return outs
+
+    def columns(self, x: mx.array, index: int) -> mx.array:
+        """Member ``index``'s output for ``x`` (its bias added), from the
+        family's one product (made by the first member asked for ``x``)."""
+        if self._x is not x:
+            self._x = x
+            self._outs = self.product(x)
             self._left = set(range(len(self.splits)))
         outs = self._outs
         assert outs is not None
         self._left.discard(index)
         if not self._left:  # every member served: hold no activations between calls
-            if self.swiglu and x.dtype == mx.float32 and weight is None:
+            if self.swiglu and x.dtype == mx.float32:
                 _served.pair = tuple(weakref.ref(o) for o in (outs[0], outs[1], x, self))
-            self._x = self._outs = self._norm = None
+            self._x = self._outs = None
         return outs[index]
 
     def swiglu_product(self, x: mx.array, norm: Norm | None = None) -> mx.array:
@@ -200,9 +203,7 @@ def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
         return None
     if any("bias" in layer and _qmm.fused_bias(layer, x) is None for layer in layers):
         return None  # (a bias added after the product: the outputs keep their shapes)
-    shapes = [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)]
-    group._x = None  # a product of its own, shaped as asked
-    return [group.columns(x, i, norm, shapes) for i in range(len(layers))]
+    return group.product(x, norm, [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)])
 
 
 def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
