@@ -24,8 +24,8 @@ with mlx's layers to float rounding).
   calls, whose lengths vary, keep mlx's own function.
 
 With afm's CPU extension built (``afm_core._mlx.qmm_ext``), float32 norms (of
-any number of rows) and the rotary embeddings of decode and verify steps (up
-to ``MAX_QUERY_POSITIONS`` positions per row, at an int or array offset) go
+any number of rows) and rotary embeddings (of any number of positions per
+row, at an int or array offset: decode, verify and prompt chunks) go
 one step further: each is one MLX operation (``ext/qmm/layer_ops.cpp``)
 instead of a cast, a square, a sum and a kernel for a norm, or a product, its
 reshapes and a kernel (or mlx's thirty-odd operations) for a rotary embedding;
@@ -70,8 +70,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-from .attention import MAX_QUERY_POSITIONS
 
 log = logging.getLogger("afm.engine")
 
@@ -155,11 +153,15 @@ class _RopeKernels:
     reference graph it needs no slicing, so most of it fuses into one kernel.
     One compiled kernel per head size.
 
-    With the extension, float32 inputs of up to ``MAX_QUERY_POSITIONS``
-    positions (a decode step, or a speculative verify step) and an offset
-    given as an int (mlx-lm's single-sequence cache) or an array (its batch
-    cache) take the one-operation kernel instead, whose position l gives the
-    bits of a one-position call at offset + l."""
+    With the extension, float32 inputs of any number of positions (a decode
+    step, a speculative verify step, a prompt's chunk) and an offset given as
+    an int (mlx-lm's single-sequence cache) or an array (its batch cache) take
+    the one-operation kernel instead, whose position l gives the bits of a
+    one-position call at offset + l.  For a prompt that is also a quarter of
+    MLX's time and memory: ``mx.fast.rope`` has no CPU kernel, and its
+    reference graph keeps the cosine and sine tables and the rotated halves
+    alive at once (a 2,048-token chunk of the default model's queries: 14
+    MiB beside the 4.5 MiB output, 8.6 against 2.4 ms for a layer's pair)."""
 
     def __init__(self, dims: int, traditional: bool, base: float, scale: float):
         self.dims, self.traditional, self.base, self.scale = dims, traditional, base, scale
@@ -174,8 +176,7 @@ class _RopeKernels:
             return False
         if x.shape[-2] == 1 and array:
             return True  # the compiled kernel's case
-        return (self._ops is not None and x.dtype == mx.float32
-                and 1 <= x.shape[-2] <= MAX_QUERY_POSITIONS
+        return (self._ops is not None and x.dtype == mx.float32 and x.shape[-2] >= 1
                 and (offset.dtype in _ROPE_OFFSET_TYPES if array else isinstance(offset, int)))
 
     def pair(self, q: mx.array, k: mx.array, offset: Any) -> tuple[mx.array, mx.array] | None:

@@ -368,7 +368,8 @@ class AfmKvWrite : public mx::Primitive {
                        out = mx::array::unsafe_weak_copy(outs[0]), at = at_, copy]() mutable {
                         if (copy) copy_float16(buf, out);
                         kv_rows(x, out, at);
-                      });
+                      },
+                      copy ? outs[0].nbytes() : 0);  // (written in place: nothing new held)
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("afm kv_write: this primitive runs on the CPU only");

@@ -35,6 +35,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -1210,6 +1211,31 @@ NB_MODULE(qmm_ext, m) {
         "Microseconds a worker spins after a job before it sleeps (AFM_QMM_SPIN_US).");
   m.def("set_spin_us", [](int us) { afm_qmm::pool().set_spin_us(us); }, "us"_a,
         "Set how long a worker spins after a job before it sleeps.");
+  m.def("in_flight_limit", [] {
+        auto& f = afm_cpu::in_flight();
+        std::lock_guard<std::mutex> lock(f.mutex);
+        return f.limit;
+      },
+        "Bytes of afm operations' outputs that may be queued and not yet computed before the next "
+        "operation waits (AFM_QMM_IN_FLIGHT_MIB, default 16 MiB; see ext/qmm/cpu_task.h).");
+  m.def("set_in_flight_limit", [](size_t bytes) {
+        auto& f = afm_cpu::in_flight();
+        {
+          std::lock_guard<std::mutex> lock(f.mutex);
+          f.limit = bytes;
+        }
+        f.done.notify_all();
+      }, "bytes"_a, "Set in_flight_limit.");
+  m.def("in_flight_stats", [] {
+        auto& f = afm_cpu::in_flight();
+        std::lock_guard<std::mutex> lock(f.mutex);
+        return std::make_pair(f.bytes, f.waits);
+      },
+        "(bytes in flight now, how many operations have waited so far).");
+  {
+    const int mib = afm_qmm::env_int("AFM_QMM_IN_FLIGHT_MIB", 16);
+    afm_cpu::in_flight().limit = static_cast<size_t>(mib > 0 ? mib : 1) << 20;
+  }
   afm_qmm::register_quantized_attention(m);
   afm_qmm::register_prefill_attention(m);
 }

@@ -1,7 +1,8 @@
-"""The one-operation norm and decode rotary embedding (``ext/qmm/layer_ops.cpp``)
+"""The one-operation norm and rotary embedding (``ext/qmm/layer_ops.cpp``)
 against mlx's own layers, and the fused layers that use them.  The rotary
 embedding of L positions gives, at position l, the bits of a one-position
-call at offset + l (what a speculative verify step needs).
+call at offset + l (what a speculative verify step needs, and what makes a
+prompt's keys the ones its decode steps would have written).
 
 Both compute what mlx computes in another summation order (the norm's sum of
 squares) or with libm's sin/cos, so they agree to float32 rounding: 4e-6 of
@@ -75,7 +76,7 @@ def test_rope_decode_matches_mlx_rope(traditional, dims, head_dim, offset_dtype)
 
 
 @needs_ext
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9, 16, 300])
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("offset_dtype", [mx.int32, mx.int64, mx.uint32, mx.float32])
 def test_rope_of_positions_is_one_position_calls_and_mlx(n, traditional, offset_dtype):
@@ -174,6 +175,11 @@ def test_fused_layers_use_them_and_match_mlx_layers(ops, monkeypatch):
     _close(census(rope(q3, offset=7)), ref_layer(q3, offset=7))
     _close(census(rope(q3, offset=offsets)),
            mx.concatenate([ref_layer(q3[i:i + 1], offset=int(offsets[i])) for i in range(2)]))
-    assert [("AfmRopeDecode" in g) for g in seen[2:]] == [ops == "on"] * 2
+    # a prompt's chunk, at an int offset and at the batch cache's array
+    q40 = mx.random.normal((2, 40, 4, 64)).transpose(0, 2, 1, 3)
+    _close(census(rope(q40, offset=7)), ref_layer(q40, offset=7))
+    _close(census(rope(q40, offset=offsets)),
+           mx.concatenate([ref_layer(q40[i:i + 1], offset=int(offsets[i])) for i in range(2)]))
+    assert [("AfmRopeDecode" in g) for g in seen[2:]] == [ops == "on"] * 4
     fusion.unfuse_cpu_kernels(model)
     np.testing.assert_allclose(np.array(norm(x)), np.array(ref_norm), rtol=0, atol=0)
