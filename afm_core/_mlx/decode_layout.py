@@ -54,7 +54,7 @@ from mlx_lm.models import cache as _cache
 
 from . import activations, attention, half_cache
 from . import qmatmul as _qmm
-from .fusion import _FusedRMSNorm, _FusedRoPE
+from .fusion import _FusedRoPE, one_operation_norm
 from .qmatmul import residual_product
 from .qmm_groups import family_outputs, family_swiglu
 from .reference_ops import kernels_allowed
@@ -63,8 +63,8 @@ __all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "update_and_fetch", 
 
 NO_DECODE_LAYOUT_ENV = "AFM_NO_DECODE_LAYOUT"
 
-_QKV_NORMED = "mlx_lm.models.qwen3"
-"""The architecture whose attention norms each head's query and key."""
+_QKV_NORMED = ("mlx_lm.models.qwen3", "mlx_lm.models.gemma3_text")
+"""The architectures whose attention norms each head's query and key."""
 
 
 def update_and_fetch(cache: Any, keys: mx.array, values: mx.array, *, fetch: bool = True) -> Any:
@@ -99,22 +99,28 @@ _PLAIN_BATCH = (_cache.BatchKVCache, half_cache.BatchKVCache)
 
 def _filled(cache: Any) -> int | None:
     """The positions a plain KV cache (mlx-lm's or :mod:`.half_cache`'s)
-    holds, the first of its buffers; None for other caches."""
+    holds, the first of its buffers; for mlx-lm's rotating caches after an
+    update, the first positions of its buffers its ``keys_and_values``
+    returns (a slice of them until the window is full, then the whole
+    buffers, in the order the rotation left them); None for other caches."""
     kind = type(cache)
     if kind in _PLAIN_BATCH:
         return int(cache._idx)
     if kind in _PLAIN_SINGLE:
         return int(cache.offset)
+    if kind is _cache.RotatingKVCache:
+        return min(int(cache.offset), int(cache.keys.shape[2]))
+    if kind is _cache.BatchRotatingKVCache:
+        return min(int(cache._offset), int(cache.keys.shape[2]))
     return None
 
 
 def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
     """``norm``'s weight and eps when a product's prologue computes what
     ``norm(x)`` would (an afm norm on the extension's kernel, float32)."""
-    if type(norm) is not _FusedRMSNorm or not norm._one_operation or x.dtype != mx.float32:
+    if x.dtype != mx.float32 or not kernels_allowed():
         return None
-    weight = norm["weight"]
-    return (weight, float(norm.eps)) if weight.dtype == mx.float32 and kernels_allowed() else None
+    return one_operation_norm(norm)
 
 
 def _heads(attn: Any, x: mx.array, norm: Any) -> list[mx.array]:
@@ -173,7 +179,7 @@ def _attention_layout(base: type) -> type:
         return self.o_proj(attend(self, x, mask, cache))  # type: ignore[no-any-return]
 
     module = sys.modules[base.__module__]
-    normed = base.__module__ == _QKV_NORMED
+    normed = base.__module__ in _QKV_NORMED
     return type(base.__name__, (base,), {"__call__": __call__, "attend": attend, "__module__": base.__module__,
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
@@ -213,16 +219,50 @@ def _block_layout(base: type) -> type:
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
 
+def _normed_inputs(layers: tuple[Any, ...], norm: Any, h: mx.array) -> list[mx.array]:
+    """Each of ``layers``' output for ``norm(h)``: their family's one
+    product, the norm in its prologue where it can be."""
+    args = _norm_args(norm, h)
+    outs = family_outputs(layers, h, args, None) if args is not None else None
+    if outs is not None:
+        return outs
+    n = norm(h)
+    outs = family_outputs(layers, n, None, None)
+    return outs if outs is not None else [layer(n) for layer in layers]
+
+
+def _gemma_block_layout(base: type) -> type:
+    """``base`` (Gemma 3's ``TransformerBlock``) whose call at one position
+    per row computes its input and pre-feedforward norms in the q/k/v and
+    gate/up products' prologues.  (Its post-norms come between each product
+    and its residual, so the residuals stay additions of their own.)"""
+
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if x.shape[1] != 1 or cache is None:
+            return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
+        attn, mlp = self.self_attn, self.mlp
+        r = attn.o_proj(attn.attend(x, mask, cache, self.input_layernorm))
+        h = module.clip_residual(x, self.post_attention_layernorm(r))
+        gate, up = _normed_inputs((mlp.gate_proj, mlp.up_proj), self.pre_feedforward_layernorm, h)
+        r = mlp.down_proj(nn.gelu_approx(gate) * up)
+        return module.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[no-any-return]
+
+    module = sys.modules[base.__module__]
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": f"DecodeLayout.{base.__qualname__}"})
+
+
 def _layouts() -> tuple[dict[type, type], dict[type, tuple[type, type, type]]]:
     """The attention layouts by mlx-lm class, and the block layouts by block
     class with the attention and MLP classes a block must hold."""
-    from mlx_lm.models import llama, qwen2, qwen3
+    from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
     attention: dict[type, type] = {}
     blocks: dict[type, tuple[type, type, type]] = {}
-    for m in (llama, qwen2, qwen3):
+    for m in (llama, qwen2, qwen3, gemma3_text):
         attention[m.Attention] = _attention_layout(m.Attention)
-        blocks[m.TransformerBlock] = (_block_layout(m.TransformerBlock), m.Attention, m.MLP)
+        layout = _gemma_block_layout if m is gemma3_text else _block_layout
+        blocks[m.TransformerBlock] = (layout(m.TransformerBlock), m.Attention, m.MLP)
     return attention, blocks
 
 

@@ -184,13 +184,13 @@ def family_swiglu(gate: Any, up: Any, x: mx.array, norm: Norm | None = None) -> 
 
 
 def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
-                   heads: tuple[int, ...]) -> list[mx.array] | None:
+                   heads: tuple[int, ...] | None) -> list[mx.array] | None:
     """Each of ``layers``' output for ``x`` (B, 1, K) (for ``rms_norm(x)``
     with ``norm``: its weight and eps, the norm in the product's prologue)
     from their family's one product, shaped (B, heads[i], 1, width /
-    heads[i]) (the same elements), when ``layers`` are a whole family in
-    order, without biases added after the product, and ``x`` is float32;
-    None otherwise."""
+    heads[i]) (the same elements; ``heads`` None: (B, 1, width)), when
+    ``layers`` are a whole family in order, without biases added after the
+    product, and ``x`` is float32; None otherwise."""
     first = layers[0]
     if type(first) is not _GroupedQuantizedLinear or x.dtype != mx.float32:
         return None
@@ -199,10 +199,13 @@ def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
             type(layer) is not _GroupedQuantizedLinear or layer._group is not group or layer._index != i
             for i, layer in enumerate(layers)):
         return None
-    if x.ndim != 3 or x.shape[1] != 1 or any(n % h for n, h in zip(group.splits, heads, strict=True)):
+    if x.ndim != 3 or x.shape[1] != 1 or (heads is not None and any(
+            n % h for n, h in zip(group.splits, heads, strict=True))):
         return None
     if any("bias" in layer and _qmm.fused_bias(layer, x) is None for layer in layers):
         return None  # (a bias added after the product: the outputs keep their shapes)
+    if heads is None:
+        return group.product(x, norm)
     return group.product(x, norm, [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)])
 
 

@@ -1,5 +1,5 @@
-"""afm_core._mlx.decode_layout: mlx-lm's llama, qwen2 and qwen3 layers at
-decode, with fewer operations, give mlx-lm's bits."""
+"""afm_core._mlx.decode_layout: mlx-lm's llama, qwen2, qwen3 and Gemma 3
+layers at decode, with fewer operations, give mlx-lm's bits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
 from afm_core._mlx import decode_layout, fusion, half_cache
@@ -30,6 +35,8 @@ def tiny(kind: str, *, quantized: bool) -> Any:
             "rope_theta": 10000.0, "tie_word_embeddings": True}
     if kind == "qwen3":
         args.update(head_dim=16, max_position_embeddings=4096)
+    if kind == "gemma3_text":  # a sliding layer then a global one; the window wraps within a test
+        args.update(head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=16)
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(args))
     if quantized:
@@ -45,16 +52,29 @@ def primitives(out: mx.array) -> collections.Counter[str]:
     return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', graph))
 
 
-def decode(model: Any, rows: int, half: bool = False) -> tuple[list[np.ndarray], collections.Counter[str]]:
-    """A prompt, then four decode steps: every step's logits, and the last
+WINDOW = 8
+"""The tiny Gemma 3's sliding window: its prompt and decode steps pass it."""
+
+
+def cache_of(model: Any, rows: int) -> list[Any]:
+    """The model's caches for one row, or a batch of two (the second left-padded by 3)."""
+    if rows == 1:
+        return make_prompt_cache(model)  # type: ignore[no-any-return]
+    return [BatchRotatingKVCache(WINDOW, [0, 3]) if getattr(layer.self_attn, "is_sliding", False)
+            else BatchKVCache([0, 3]) for layer in model.layers]
+
+
+def decode(model: Any, rows: int, half: bool = False,
+           steps: tuple[int, ...] = (8, 200, 45, 3)) -> tuple[list[np.ndarray], collections.Counter[str]]:
+    """A prompt, then decode steps: every step's logits, and the last
     step's operations; ``half``: on float16 caches (:mod:`.half_cache`)."""
-    cache = make_prompt_cache(model) if rows == 1 else [BatchKVCache([0, 3]) for _ in model.layers]
+    cache = cache_of(model, rows)
     if half:
         half_cache.to_half(cache)
     outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]][:rows]), cache=cache)]
     mx.eval(outs)
     ops: collections.Counter[str] = collections.Counter()
-    for t in (8, 200, 45, 3):
+    for t in steps:
         outs.append(model(mx.array([[t]] * rows), cache=cache))
         ops = primitives(outs[-1])
         mx.eval(outs)
@@ -296,3 +316,50 @@ def test_a_batch_merged_from_a_row_is_written_in_place_while_the_row_lives() -> 
         mx.eval(batch.keys, batch.values)
         seen.add((address(batch.keys), address(batch.values)))
     assert len(seen) == 1 and row.keys is batch.keys
+
+
+@needs_ext
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("half", [False, True])
+def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool, rows: int, half: bool) -> None:
+    """Gemma 3's layers (a sliding-window layer on a rotating cache, which
+    wraps here, then a global one): the attention's layout as qwen3's (the
+    sliding layer reads the cache mlx-lm's rotating update returns), the
+    block's input and pre-feedforward norms in the products' prologues."""
+    model = tiny("gemma3_text", quantized=quantized)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    sliding, full = model.layers
+    assert sliding.self_attn.is_sliding and not full.self_attn.is_sliding
+    for block in model.layers:
+        assert "DecodeLayout" in type(block).__qualname__ + type(block.self_attn).__qualname__
+        assert fusion.one_operation_norm(block.input_layernorm) is not None
+    steps = tuple(range(20, 20 + 2 * WINDOW))  # the prompt's 6 positions and 16 more: the window wraps twice
+    ours, ops = decode(model, rows, half, steps)
+    caches = (RotatingKVCache, BatchRotatingKVCache)
+    swap(model, False)
+    assert all("DecodeLayout" not in type(m).__qualname__ for _, m in model.named_modules())
+    theirs, their_ops = decode(model, rows, half, steps)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # per layer pair: the four transposes each; the queries' and keys' rotary
+    # embeddings in one each; both layers read their buffers in place (no
+    # slices: the global layer's, and the sliding one's until its window
+    # fills) with the output as (B, 1, H x D) (two reshapes); with afm's
+    # quantized products the q/k/v product shapes the heads (six reshapes)
+    # and the input and pre-feedforward norms are the products' prologues
+    # (four); with a float16 cache, the global layer's two writes
+    assert sum(their_ops.values()) - sum(ops.values()) == 14 + 10 * quantized + 2 * half
+    assert (ops["Slice"], ops["AfmRopeDecode"], ops["AfmKvWrite"]) == (0, 2, 2 * half)
+    assert (their_ops["Transpose"] - ops["Transpose"], their_ops["AfmRopeDecode"]) == (8, 4)
+    if quantized:  # the model's final norm, and each layer's query, key and two post-norms
+        assert (ops["AfmRMSNorm"], their_ops["AfmRMSNorm"]) == (9, 13)
+    assert type(cache_of(model, rows)[0]) in caches  # (the sliding layer's: rotating)
+    early = decode(model, rows, half, steps[:1])[1]  # the sliding window not yet full: mlx-lm slices it
+    swap(model, True)
+    early_ours = decode(model, rows, half, steps[:1])[1]
+    assert early["Slice"] == 4 and early_ours["Slice"] == 0
+    swap(model, True)
+    fusion.unfuse_cpu_kernels(model)
+    assert all("DecodeLayout" not in type(m).__qualname__ and "Fused" not in type(m).__qualname__
+               for _, m in model.named_modules())
