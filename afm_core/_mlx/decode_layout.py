@@ -56,7 +56,7 @@ from . import activations, attention, half_cache
 from . import qmatmul as _qmm
 from .fusion import _FusedRoPE, one_operation_norm
 from .qmatmul import residual_product
-from .qmm_groups import family_outputs, family_swiglu
+from .qmm_groups import family_outputs, family_swiglu, layer_outputs
 from .reference_ops import kernels_allowed
 
 __all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "update_and_fetch", "use_decode_layout"]
@@ -123,22 +123,30 @@ def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
     return one_operation_norm(norm)
 
 
+def _products(layers: tuple[Any, ...], x: mx.array, norm: Any, heads: tuple[int, ...] | None) -> list[mx.array]:
+    """Each of ``layers``' output of ``x`` (of ``norm(x)`` with a norm), in
+    ``heads``' shapes (B, H, 1, D) (None: (B, 1, width)): their family's
+    one product, or each layer's own where the family was left apart, the
+    norm in the prologue and the heads in the output shape, where it can
+    be; else the norm, the layers' calls and reshapes."""
+    args = _norm_args(norm, x) if norm is not None else None
+    if norm is None or args is not None:
+        for outputs in (family_outputs, layer_outputs):
+            outs = outputs(layers, x, args, heads)
+            if outs is not None:
+                return outs
+    if norm is not None:
+        return _products(layers, norm(x), None, heads)
+    if heads is None:
+        return [layer(x) for layer in layers]
+    return [layer(x).reshape(x.shape[0], h, 1, -1) for layer, h in zip(layers, heads, strict=True)]
+
+
 def _heads(attn: Any, x: mx.array, norm: Any) -> list[mx.array]:
     """``attn``'s queries, keys and values of ``x`` (of ``norm(x)`` with a
-    norm), each (B, H, 1, D): from the q/k/v family's product, the norm in
-    its prologue and the heads in its output shape, where it can be."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
-    if norm is not None:
-        args = _norm_args(norm, x)
-        outs = family_outputs(projections, x, args, heads) if args is not None else None
-        if outs is not None:
-            return outs
-        x = norm(x)
-    outs = family_outputs(projections, x, None, heads)
-    if outs is not None:
-        return outs
-    return [p(x).reshape(x.shape[0], h, 1, -1) for p, h in zip(projections, heads, strict=True)]
+    norm), each (B, H, 1, D), by :func:`_products`."""
+    return _products((attn.q_proj, attn.k_proj, attn.v_proj), x, norm,
+                     (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads))
 
 
 def _embed_positions(rope: Any, queries: mx.array, keys: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
@@ -219,18 +227,6 @@ def _block_layout(base: type) -> type:
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
 
-def _normed_inputs(layers: tuple[Any, ...], norm: Any, h: mx.array) -> list[mx.array]:
-    """Each of ``layers``' output for ``norm(h)``: their family's one
-    product, the norm in its prologue where it can be."""
-    args = _norm_args(norm, h)
-    outs = family_outputs(layers, h, args, None) if args is not None else None
-    if outs is not None:
-        return outs
-    n = norm(h)
-    outs = family_outputs(layers, n, None, None)
-    return outs if outs is not None else [layer(n) for layer in layers]
-
-
 def _gemma_block_layout(base: type) -> type:
     """``base`` (Gemma 3's ``TransformerBlock``) whose call at one position
     per row computes its input and pre-feedforward norms in the q/k/v and
@@ -243,7 +239,7 @@ def _gemma_block_layout(base: type) -> type:
         attn, mlp = self.self_attn, self.mlp
         r = attn.o_proj(attn.attend(x, mask, cache, self.input_layernorm))
         h = module.clip_residual(x, self.post_attention_layernorm(r))
-        gate, up = _normed_inputs((mlp.gate_proj, mlp.up_proj), self.pre_feedforward_layernorm, h)
+        gate, up = _products((mlp.gate_proj, mlp.up_proj), h, self.pre_feedforward_layernorm, None)
         r = mlp.down_proj(nn.gelu_approx(gate) * up)
         return module.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[no-any-return]
 

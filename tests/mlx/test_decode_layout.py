@@ -28,7 +28,15 @@ ext = _qmatmul.extension()
 needs_ext = pytest.mark.skipif(ext is None, reason="afm_core._mlx.qmm_ext is not built or disabled")
 
 
-def tiny(kind: str, *, quantized: bool) -> Any:
+def mixed_bits(path: str, module: nn.Module) -> bool | dict[str, int]:
+    """4 bits, and 8 for the values and down products (as Q4_K_M files keep
+    some at 6): the q/k/v family is then left apart."""
+    if not hasattr(module, "to_quantized"):
+        return False
+    return {"group_size": 32, "bits": 8} if path.endswith(("v_proj", "down_proj")) else True
+
+
+def tiny(kind: str, *, quantized: bool | str) -> Any:
     module = importlib.import_module(f"mlx_lm.models.{kind}")
     args = {"model_type": kind, "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
@@ -40,7 +48,7 @@ def tiny(kind: str, *, quantized: bool) -> Any:
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(args))
     if quantized:
-        nn.quantize(model, group_size=32, bits=4)
+        nn.quantize(model, group_size=32, bits=4, class_predicate=mixed_bits if quantized == "mixed" else None)
     mx.eval(model.parameters())
     return model
 
@@ -87,20 +95,23 @@ def swap(model: Any, layouts: bool) -> None:
 
 @needs_ext
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [False, True, "mixed"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("half", [False, True])
-def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int,
+def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool | str, rows: int,
                                                             half: bool) -> None:
     """Eight operations fewer per layer (the four transposes, the output's
     reshape, the two slices of the cache, and the queries' and keys' rotary
     embeddings in one); with afm's quantized products seven more (the q/k/v
     product shapes the heads, the epilogues add the residuals, the
     prologues compute the norms); with a float16 cache two more (a write for
-    each buffer's cast and update)."""
+    each buffer's cast and update).  ``mixed``: the values' product at 8
+    bits, so the q/k/v family is left apart: each product shapes its heads
+    and computes the norm in its prologue all the same."""
     model = tiny(kind, quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     block, attention = model.layers[0], model.layers[0].self_attn
+    assert (type(attention.v_proj) is _qmatmul._FastQuantizedLinear) == (quantized == "mixed")  # (not grouped)
     assert type(block).__name__ == "TransformerBlock" and type(block).__mro__[1].__name__ == "TransformerBlock"
     assert "DecodeLayout" in type(block).__qualname__ and "DecodeLayout" in type(attention).__qualname__
     ours, ops = decode(model, rows, half)
@@ -109,7 +120,7 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
     theirs, their_ops = decode(model, rows, half)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
-    fewer = 8 + 7 * quantized + 2 * half
+    fewer = 8 + 7 * bool(quantized) + 2 * half
     assert ops["Slice"] == 0 < their_ops["Slice"]  # the cache's buffers are read in place
     assert (ops["AfmRopeDecode"], their_ops["AfmRopeDecode"]) == (len(model.layers), 2 * len(model.layers))
     assert ops["AfmKvWrite"] == (2 * len(model.layers) if half else 0)
@@ -319,10 +330,11 @@ def test_a_batch_merged_from_a_row_is_written_in_place_while_the_row_lives() -> 
 
 
 @needs_ext
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [False, True, "mixed"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("half", [False, True])
-def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool, rows: int, half: bool) -> None:
+def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool | str, rows: int,
+                                                               half: bool) -> None:
     """Gemma 3's layers (a sliding-window layer on a rotating cache, which
     wraps here, then a global one): the attention's layout as qwen3's (the
     sliding layer reads the cache mlx-lm's rotating update returns), the
@@ -330,6 +342,7 @@ def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool, 
     model = tiny("gemma3_text", quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     sliding, full = model.layers
+    assert (type(full.self_attn.v_proj) is _qmatmul._FastQuantizedLinear) == (quantized == "mixed")
     assert sliding.self_attn.is_sliding and not full.self_attn.is_sliding
     for block in model.layers:
         assert "DecodeLayout" in type(block).__qualname__ + type(block.self_attn).__qualname__
@@ -349,7 +362,7 @@ def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool, 
     # quantized products the q/k/v product shapes the heads (six reshapes)
     # and the input and pre-feedforward norms are the products' prologues
     # (four); with a float16 cache, the global layer's two writes
-    assert sum(their_ops.values()) - sum(ops.values()) == 14 + 10 * quantized + 2 * half
+    assert sum(their_ops.values()) - sum(ops.values()) == 14 + 10 * bool(quantized) + 2 * half
     assert (ops["Slice"], ops["AfmRopeDecode"], ops["AfmKvWrite"]) == (0, 2, 2 * half)
     assert (their_ops["Transpose"] - ops["Transpose"], their_ops["AfmRopeDecode"]) == (8, 4)
     if quantized:  # the model's final norm, and each layer's query, key and two post-norms
