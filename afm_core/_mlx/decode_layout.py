@@ -4,8 +4,8 @@ On the CPU backend a decode step of a small model costs in proportion to its
 operations, not its arithmetic: each one is a task for MLX's scheduler (and
 the thread building the next step's graph may run at most about a hundred
 of them ahead of the one computing, see ``benchmarks/README.md``).  mlx-lm's
-llama, qwen2 and qwen3 layers, called on one position per row, make several
-that compute nothing:
+llama, qwen2, qwen3 and Gemma 3 (``gemma3_text``) layers, called on one
+position per row, make several that compute nothing:
 
 * the attention shapes its queries, keys and values to (B, L, H, D) and
   transposes them to (B, H, L, D), and its output back the other way; with
@@ -31,9 +31,30 @@ that compute nothing:
 * each of the block's two norms is an operation of its own before the
   q/k/v and the gate/up product; those products compute it in their
   prologue (the same row code, so the same bits), two operations fewer.
+  Siblings a file quantizes at different bits (Q4_K_M's 6-bit values) are
+  not one family: each then makes its own product, the norm in its
+  prologue and the heads in its output shape all the same
+  (``qmm_groups.layer_outputs``).
 
 A layer's decode is then 8 operations (the default model's step: 300
-instead of 897).  Other calls (prompts, verify
+instead of 897).
+
+Gemma 3's attention is qwen3's (norms of each head's query and key) on two
+kinds of cache: its global layers' plain one, and its sliding-window
+layers' ``RotatingKVCache`` (``BatchRotatingKVCache`` in a batch), which
+keeps its float32 buffers and mlx-lm's update (the write at the rotating
+index, the growth and trim); the attention then reads the first positions
+of its buffers that mlx-lm's ``keys_and_values`` would return, in place
+(a slice of them until the window fills, then all of them in the order
+the rotation left them: attention does not depend on the keys' order).
+Its block norms each sublayer's output too, before the residual
+(``clip_residual``, an addition in float32), so the residuals stay
+operations of their own; the block layout computes the input and
+pre-feedforward norms in the q/k/v and gate/up products' prologues, and
+the MLP's ``gelu_approx(gate) * up`` stays mlx-lm's (afm's products have
+no GELU epilogue).  Gemma's norms (``rms_norm`` by ``1 + weight``) are
+one operation each from :mod:`.fusion`; a Gemma-3-270M step is 454
+operations instead of 688 (1,996 before its norms were fused).  Other calls (prompts, verify
 steps of more than one position, no cache) are mlx-lm's own, and so are
 the layers of other architectures and layers whose parts differ from
 mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
@@ -267,7 +288,7 @@ _SWAPPED = frozenset([*_ATTENTION.values(), *(layout for layout, _, _ in _BLOCKS
 
 
 def use_decode_layout(model: nn.Module) -> int:
-    """Give ``model``'s llama, qwen2 and qwen3 attention layers and blocks
+    """Give ``model``'s llama, qwen2, qwen3 and Gemma 3 attention layers and blocks
     their decode layouts, in place; returns how many layers changed (0 with
     ``AFM_NO_DECODE_LAYOUT=1``)."""
     if os.environ.get(NO_DECODE_LAYOUT_ENV, "") not in ("", "0"):
