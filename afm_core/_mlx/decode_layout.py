@@ -53,7 +53,7 @@ operations of their own; the block layout computes the input and
 pre-feedforward norms in the q/k/v and gate/up products' prologues, and
 the MLP's ``gelu_approx(gate) * up`` stays mlx-lm's (afm's products have
 no GELU epilogue).  Gemma's norms (``rms_norm`` by ``1 + weight``) are
-one operation each from :mod:`.fusion`; a Gemma-3-270M step is 454
+one operation each from :mod:`.fusion`; a Gemma-3-270M step is 450
 operations instead of 688 (1,996 before its norms were fused).  Other calls (prompts, verify
 steps of more than one position, no cache) are mlx-lm's own, and so are
 the layers of other architectures and layers whose parts differ from
