@@ -46,7 +46,7 @@ keeps its float32 buffers and mlx-lm's update (the write at the rotating
 index, the growth and trim); the attention then reads the first positions
 of its buffers that mlx-lm's ``keys_and_values`` would return, in place
 (a slice of them until the window fills, then all of them in the order
-the rotation left them: attention does not depend on the keys' order).
+the rotation left them: the arrays mlx-lm's attention reads, and its mask).
 Its block norms each sublayer's output too, before the residual
 (``clip_residual``, an addition in float32), so the residuals stay
 operations of their own; the block layout computes the input and
@@ -54,10 +54,11 @@ pre-feedforward norms in the q/k/v and gate/up products' prologues, and
 the MLP's ``gelu_approx(gate) * up`` stays mlx-lm's (afm's products have
 no GELU epilogue).  Gemma's norms (``rms_norm`` by ``1 + weight``) are
 one operation each from :mod:`.fusion`; a Gemma-3-270M step is 450
-operations instead of 688 (1,996 before its norms were fused).  Other calls (prompts, verify
-steps of more than one position, no cache) are mlx-lm's own, and so are
-the layers of other architectures and layers whose parts differ from
-mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
+operations instead of 688 (1,996 before its norms were fused).
+
+Other calls (prompts, verify steps of more than one position, no cache)
+are mlx-lm's own, and so are the layers of other architectures and layers
+whose parts differ from mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
 the classes of a model's layers in place (``AFM_NO_DECODE_LAYOUT=1``: it
 does not), :func:`restore_decode_layout` gives mlx-lm's back;
 ``tests/mlx/test_decode_layout.py`` checks the bits against mlx-lm's layers.

@@ -35,10 +35,11 @@ reshapes and a kernel (or mlx's thirty-odd operations) for a rotary embedding;
 Only layers whose class is exactly ``nn.RMSNorm``, ``nn.RoPE``, ``nn.Linear``
 or ``nn.Embedding`` change, and Gemma 2's and 3's ``RMSNorm``
 (``rms_norm(x, 1 + weight)``): the norm kernels above by ``1 + weight``,
-made once (the array mlx-lm's call adds every time: the same bits), so each
-of a Gemma 3 layer's six norms is one operation instead of about ten;
-other model-specific variants keep their own code.  The kernels are made per call,
-so two engines in one process never share a compiled function.
+made once per weight array (the values mlx-lm's call adds every time), so
+each of a Gemma 3 layer's six norms is one operation instead of about ten,
+its outputs mlx-lm's to float rounding as for ``nn.RMSNorm``; other
+model-specific variants keep their own code.  The kernels are made per
+call, so two engines in one process never share a compiled function.
 
 Matrix products go to the BLAS under MLX.  Normally that is OpenBLAS
 (``afm_core._mlx.blas``), which reads a weight in either order at full speed and
