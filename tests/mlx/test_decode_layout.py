@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
 )
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
-from afm_core._mlx import decode_layout, fusion, half_cache
+from afm_core._mlx import batch, decode_layout, fusion, half_cache
 from afm_core._mlx import qmatmul as _qmatmul
 
 ext = _qmatmul.extension()
@@ -376,3 +376,57 @@ def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool |
     fusion.unfuse_cpu_kernels(model)
     assert all("DecodeLayout" not in type(m).__qualname__ and "Fused" not in type(m).__qualname__
                for _, m in model.named_modules())
+
+
+@needs_ext
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gemma3_sliding_layers_sharing_one_offset_drop_their_own(quantized: bool) -> None:
+    """A batch's sliding-window layers after ``batch.share_offsets``: each
+    but the first writes its cache without mlx-lm's ``mx.depends`` while
+    its window fills (its own offset's broadcast and addition are dropped
+    at the next share); mlx-lm's update where it grows, rotates or does not
+    share, the same bits at every step, before and after the windows wrap."""
+    window = 16
+    module = importlib.import_module("mlx_lm.models.gemma3_text")
+    args = {"model_type": "gemma3_text", "hidden_size": 96, "num_hidden_layers": 6, "intermediate_size": 128,
+            "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 300, "sliding_window": window, "sliding_window_pattern": 3, "query_pre_attn_scalar": 16}
+    mx.random.seed(4)
+    model = module.Model(module.ModelArgs.from_dict(args))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    sliding = [layer.self_attn.is_sliding for layer in model.layers]
+    assert sliding == [True, True, False] * 2
+
+    def run(shared: bool) -> tuple[list[np.ndarray], list[collections.Counter[str]]]:
+        cache = [BatchRotatingKVCache(window, [0, 3]) if s else BatchKVCache([0, 3]) for s in sliding]
+        outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]]), cache=cache)]
+        mx.eval(outs)
+        ops = []
+        for t in range(30, 30 + 2 * window):  # grows at the first step, rotates from the eleventh
+            if shared:
+                batch.share_offsets(cache)
+            outs.append(model(mx.array([[t], [t + 1]]), cache=cache))
+            ops.append(primitives(outs[-1]))
+            mx.eval(outs)
+        return [np.array(o) for o in outs], ops
+
+    ours, ops = run(shared=True)
+    alone, alone_ops = run(shared=False)
+    swap(model, False)
+    theirs, their_ops = run(shared=True)
+    for a, b, c in zip(ours, alone, theirs, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+    followers = sum(sliding) - 1  # (the first sliding layer keeps mlx-lm's update)
+    steady = 4  # a step while the windows fill
+    # (and, shared, the second global layer's offset: its broadcast and addition, as before)
+    assert sum(alone_ops[steady].values()) - sum(ops[steady].values()) == 3 * followers + 2
+    assert (ops[steady]["Depends"], alone_ops[steady]["Depends"], their_ops[steady]["Depends"]) == (
+        1, 1 + followers, 1 + followers)
+    for step in (0, -1):  # growing, rotated: mlx-lm's update (the global layer's offset still shared)
+        assert ops[step]["Depends"] == alone_ops[step]["Depends"] == their_ops[step]["Depends"] == 1 + followers
+        assert sum(alone_ops[step].values()) - sum(ops[step].values()) == 2
+    swap(model, True)
