@@ -201,28 +201,36 @@ def decode_heads(queries: mx.array, keys: mx.array, values: mx.array, length: in
                                 length, True)
 
 
-class _LastMask(threading.local):
-    mask: Any = None
-    shape: tuple[int, ...] = ()
-    scores: Any = None
+class _LastMasks(threading.local):
+    """The last two masks broadcast, newest last: (mask, shape, broadcast)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, tuple[int, ...], Any]] = []
 
 
-_last_mask = _LastMask()
+_last_masks = _LastMasks()
 
 
 def _scores_mask(mask: Any, queries: mx.array, keys: int) -> Any:
     """``mask`` broadcast to the scores' shape (B, Hq, L, S = ``keys``), as the decode
-    kernel reads it.  A model passes the same mask to every layer, so the
-    broadcast is made once per forward and shared (the kernel would
-    otherwise add one to the graph per layer); None stays None."""
+    kernel reads it.  A model passes the same mask to every layer, or two
+    (Gemma 3's sliding-window layers one, its global layers another,
+    interleaved), so each broadcast is made once per forward and shared
+    (the kernel would otherwise add one to the graph per layer); None stays
+    None."""
     if not isinstance(mask, mx.array):
         return mask
     shape = (queries.shape[0], queries.shape[1], queries.shape[2], keys)
-    last = _last_mask
-    if last.mask is not mask or last.shape != shape:
-        last.scores = mx.broadcast_to(mask, shape)  # (raises for a mask that does not broadcast)
-        last.mask, last.shape = mask, shape
-    return last.scores
+    entries = _last_masks.entries
+    for i, (held, held_shape, scores) in enumerate(entries):
+        if held is mask and held_shape == shape:
+            if i != len(entries) - 1:
+                entries.append(entries.pop(i))
+            return scores
+    scores = mx.broadcast_to(mask, shape)  # (raises for a mask that does not broadcast)
+    entries.append((mask, shape, scores))
+    del entries[:-2]
+    return scores
 
 
 _REBINDING = ModuleRebinding(_NAME, _original, scaled_dot_product_attention, "_afm_attention_modules")

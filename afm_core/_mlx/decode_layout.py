@@ -4,8 +4,8 @@ On the CPU backend a decode step of a small model costs in proportion to its
 operations, not its arithmetic: each one is a task for MLX's scheduler (and
 the thread building the next step's graph may run at most about a hundred
 of them ahead of the one computing, see ``benchmarks/README.md``).  mlx-lm's
-llama, qwen2 and qwen3 layers, called on one position per row, make several
-that compute nothing:
+llama, qwen2, qwen3 and Gemma 3 (``gemma3_text``) layers, called on one
+position per row, make several that compute nothing:
 
 * the attention shapes its queries, keys and values to (B, L, H, D) and
   transposes them to (B, H, L, D), and its output back the other way; with
@@ -31,12 +31,38 @@ that compute nothing:
 * each of the block's two norms is an operation of its own before the
   q/k/v and the gate/up product; those products compute it in their
   prologue (the same row code, so the same bits), two operations fewer.
+  Siblings a file quantizes at different bits (Q4_K_M's 6-bit values) are
+  not one family: each then makes its own product, the norm in its
+  prologue and the heads in its output shape all the same
+  (``qmm_groups.layer_outputs``).
 
 A layer's decode is then 8 operations (the default model's step: 300
-instead of 897).  Other calls (prompts, verify
-steps of more than one position, no cache) are mlx-lm's own, and so are
-the layers of other architectures and layers whose parts differ from
-mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
+instead of 897).
+
+Gemma 3's attention is qwen3's (norms of each head's query and key) on two
+kinds of cache: its global layers' plain one, and its sliding-window
+layers' ``RotatingKVCache`` (``BatchRotatingKVCache`` in a batch), which
+keeps its float32 buffers and mlx-lm's update (the write at the rotating
+index, the growth and trim); the attention then reads the first positions
+of its buffers that mlx-lm's ``keys_and_values`` would return, in place
+(a slice of them until the window fills, then all of them in the order
+the rotation left them: the arrays mlx-lm's attention reads, and its mask).
+In a batch whose sliding layers share the first one's offset
+(:func:`.batch.share_offsets`), the others write while their windows fill
+without mlx-lm's ``mx.depends`` on their own offset (:func:`_rotating_write`):
+three operations fewer each.
+Its block norms each sublayer's output too, before the residual
+(``clip_residual``, an addition in float32), so the residuals stay
+operations of their own; the block layout computes the input and
+pre-feedforward norms in the q/k/v and gate/up products' prologues, and
+the MLP's ``gelu_approx(gate) * up`` stays mlx-lm's (afm's products have
+no GELU epilogue).  Gemma's norms (``rms_norm`` by ``1 + weight``) are
+one operation each from :mod:`.fusion`; a Gemma-3-270M step is 408
+operations instead of 688 (1,996 before its norms were fused).
+
+Other calls (prompts, verify steps of more than one position, no cache)
+are mlx-lm's own, and so are the layers of other architectures and layers
+whose parts differ from mlx-lm's (an MLP of another class, say).  :func:`use_decode_layout` swaps
 the classes of a model's layers in place (``AFM_NO_DECODE_LAYOUT=1``: it
 does not), :func:`restore_decode_layout` gives mlx-lm's back;
 ``tests/mlx/test_decode_layout.py`` checks the bits against mlx-lm's layers.
@@ -54,17 +80,18 @@ from mlx_lm.models import cache as _cache
 
 from . import activations, attention, half_cache
 from . import qmatmul as _qmm
-from .fusion import _FusedRMSNorm, _FusedRoPE
+from .batch import shares_offset
+from .fusion import _FusedRoPE, one_operation_norm
 from .qmatmul import residual_product
-from .qmm_groups import family_outputs, family_swiglu
+from .qmm_groups import family_outputs, family_swiglu, layer_outputs
 from .reference_ops import kernels_allowed
 
 __all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "update_and_fetch", "use_decode_layout"]
 
 NO_DECODE_LAYOUT_ENV = "AFM_NO_DECODE_LAYOUT"
 
-_QKV_NORMED = "mlx_lm.models.qwen3"
-"""The architecture whose attention norms each head's query and key."""
+_QKV_NORMED = ("mlx_lm.models.qwen3", "mlx_lm.models.gemma3_text")
+"""The architectures whose attention norms each head's query and key."""
 
 
 def update_and_fetch(cache: Any, keys: mx.array, values: mx.array, *, fetch: bool = True) -> Any:
@@ -97,42 +124,78 @@ _PLAIN_SINGLE = (_cache.KVCache, half_cache.KVCache)
 _PLAIN_BATCH = (_cache.BatchKVCache, half_cache.BatchKVCache)
 
 
+def _rotating_write(cache: Any, keys: mx.array, values: mx.array) -> bool:
+    """mlx-lm's ``BatchRotatingKVCache`` update by one position where it only
+    writes at its index and advances (no growth, trim or rotation: else
+    False, and mlx-lm's update runs), without the ``mx.depends`` that ties
+    the layer's new ``offset`` to its keys, for a layer whose offset
+    :func:`.batch.share_offsets` shares with the batch's first rotating
+    layer: the addition is then dropped unevaluated at the next share (the
+    first layer's, the same values, is read), three operations fewer."""
+    size = cache.keys.shape[2] if cache.keys is not None else 0
+    if (keys.shape[2] != 1 or cache._lengths is not None or cache.rotated or not size
+            or size > cache.max_size or cache._idx >= cache.max_size
+            or (cache._offset >= size and size < cache.max_size)):
+        return False
+    i = cache._idx
+    cache.keys[..., i:i + 1, :] = keys
+    cache.values[..., i:i + 1, :] = values
+    cache._offset += 1
+    cache.offset = cache.offset + 1
+    cache._idx += 1
+    return True
+
+
 def _filled(cache: Any) -> int | None:
     """The positions a plain KV cache (mlx-lm's or :mod:`.half_cache`'s)
-    holds, the first of its buffers; None for other caches."""
+    holds, the first of its buffers; for mlx-lm's rotating caches after an
+    update, the first positions of its buffers its ``keys_and_values``
+    returns (a slice of them until the window is full, then the whole
+    buffers, in the order the rotation left them); None for other caches."""
     kind = type(cache)
     if kind in _PLAIN_BATCH:
         return int(cache._idx)
     if kind in _PLAIN_SINGLE:
         return int(cache.offset)
+    if kind is _cache.RotatingKVCache:
+        return min(int(cache.offset), int(cache.keys.shape[2]))
+    if kind is _cache.BatchRotatingKVCache:
+        return min(int(cache._offset), int(cache.keys.shape[2]))
     return None
 
 
 def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
     """``norm``'s weight and eps when a product's prologue computes what
     ``norm(x)`` would (an afm norm on the extension's kernel, float32)."""
-    if type(norm) is not _FusedRMSNorm or not norm._one_operation or x.dtype != mx.float32:
+    if x.dtype != mx.float32 or not kernels_allowed():
         return None
-    weight = norm["weight"]
-    return (weight, float(norm.eps)) if weight.dtype == mx.float32 and kernels_allowed() else None
+    return one_operation_norm(norm)
+
+
+def _products(layers: tuple[Any, ...], x: mx.array, norm: Any, heads: tuple[int, ...] | None) -> list[mx.array]:
+    """Each of ``layers``' output of ``x`` (of ``norm(x)`` with a norm), in
+    ``heads``' shapes (B, H, 1, D) (None: (B, 1, width)): their family's
+    one product, or each layer's own where the family was left apart, the
+    norm in the prologue and the heads in the output shape, where it can
+    be; else the norm, the layers' calls and reshapes."""
+    args = _norm_args(norm, x) if norm is not None else None
+    if norm is None or args is not None:
+        for outputs in (family_outputs, layer_outputs):
+            outs = outputs(layers, x, args, heads)
+            if outs is not None:
+                return outs
+    if norm is not None:
+        return _products(layers, norm(x), None, heads)
+    if heads is None:
+        return [layer(x) for layer in layers]
+    return [layer(x).reshape(x.shape[0], h, 1, -1) for layer, h in zip(layers, heads, strict=True)]
 
 
 def _heads(attn: Any, x: mx.array, norm: Any) -> list[mx.array]:
     """``attn``'s queries, keys and values of ``x`` (of ``norm(x)`` with a
-    norm), each (B, H, 1, D): from the q/k/v family's product, the norm in
-    its prologue and the heads in its output shape, where it can be."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
-    if norm is not None:
-        args = _norm_args(norm, x)
-        outs = family_outputs(projections, x, args, heads) if args is not None else None
-        if outs is not None:
-            return outs
-        x = norm(x)
-    outs = family_outputs(projections, x, None, heads)
-    if outs is not None:
-        return outs
-    return [p(x).reshape(x.shape[0], h, 1, -1) for p, h in zip(projections, heads, strict=True)]
+    norm), each (B, H, 1, D), by :func:`_products`."""
+    return _products((attn.q_proj, attn.k_proj, attn.v_proj), x, norm,
+                     (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads))
 
 
 def _embed_positions(rope: Any, queries: mx.array, keys: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
@@ -155,7 +218,11 @@ def _attention_layout(base: type) -> type:
         if normed:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = _embed_positions(self.rope, queries, keys, cache.offset)
-        fetched = update_and_fetch(cache, keys, values, fetch=False)
+        if type(cache) is _cache.BatchRotatingKVCache and shares_offset(cache) \
+                and _rotating_write(cache, keys, values):
+            fetched = None
+        else:
+            fetched = update_and_fetch(cache, keys, values, fetch=False)
         filled = _filled(cache)
         if filled is not None and module.scaled_dot_product_attention is attention.scaled_dot_product_attention:
             # the cache's buffers read in place, the output in (B, 1, H x D)
@@ -173,7 +240,7 @@ def _attention_layout(base: type) -> type:
         return self.o_proj(attend(self, x, mask, cache))  # type: ignore[no-any-return]
 
     module = sys.modules[base.__module__]
-    normed = base.__module__ == _QKV_NORMED
+    normed = base.__module__ in _QKV_NORMED
     return type(base.__name__, (base,), {"__call__": __call__, "attend": attend, "__module__": base.__module__,
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
@@ -213,16 +280,38 @@ def _block_layout(base: type) -> type:
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
 
+def _gemma_block_layout(base: type) -> type:
+    """``base`` (Gemma 3's ``TransformerBlock``) whose call at one position
+    per row computes its input and pre-feedforward norms in the q/k/v and
+    gate/up products' prologues.  (Its post-norms come between each product
+    and its residual, so the residuals stay additions of their own.)"""
+
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if x.shape[1] != 1 or cache is None:
+            return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
+        attn, mlp = self.self_attn, self.mlp
+        r = attn.o_proj(attn.attend(x, mask, cache, self.input_layernorm))
+        h = module.clip_residual(x, self.post_attention_layernorm(r))
+        gate, up = _products((mlp.gate_proj, mlp.up_proj), h, self.pre_feedforward_layernorm, None)
+        r = mlp.down_proj(nn.gelu_approx(gate) * up)
+        return module.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[no-any-return]
+
+    module = sys.modules[base.__module__]
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": f"DecodeLayout.{base.__qualname__}"})
+
+
 def _layouts() -> tuple[dict[type, type], dict[type, tuple[type, type, type]]]:
     """The attention layouts by mlx-lm class, and the block layouts by block
     class with the attention and MLP classes a block must hold."""
-    from mlx_lm.models import llama, qwen2, qwen3
+    from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
     attention: dict[type, type] = {}
     blocks: dict[type, tuple[type, type, type]] = {}
-    for m in (llama, qwen2, qwen3):
+    for m in (llama, qwen2, qwen3, gemma3_text):
         attention[m.Attention] = _attention_layout(m.Attention)
-        blocks[m.TransformerBlock] = (_block_layout(m.TransformerBlock), m.Attention, m.MLP)
+        layout = _gemma_block_layout if m is gemma3_text else _block_layout
+        blocks[m.TransformerBlock] = (layout(m.TransformerBlock), m.Attention, m.MLP)
     return attention, blocks
 
 
@@ -231,7 +320,7 @@ _SWAPPED = frozenset([*_ATTENTION.values(), *(layout for layout, _, _ in _BLOCKS
 
 
 def use_decode_layout(model: nn.Module) -> int:
-    """Give ``model``'s llama, qwen2 and qwen3 attention layers and blocks
+    """Give ``model``'s llama, qwen2, qwen3 and Gemma 3 attention layers and blocks
     their decode layouts, in place; returns how many layers changed (0 with
     ``AFM_NO_DECODE_LAYOUT=1``)."""
     if os.environ.get(NO_DECODE_LAYOUT_ENV, "") not in ("", "0"):

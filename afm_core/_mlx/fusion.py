@@ -33,9 +33,13 @@ reshapes and a kernel (or mlx's thirty-odd operations) for a rotary embedding;
 (``tests/mlx/test_layer_ops.py`` checks both against mlx's layers).
 
 Only layers whose class is exactly ``nn.RMSNorm``, ``nn.RoPE``, ``nn.Linear``
-or ``nn.Embedding`` change;
-model-specific variants keep their own code.  The kernels are made per call,
-so two engines in one process never share a compiled function.
+or ``nn.Embedding`` change, and Gemma 2's and 3's ``RMSNorm``
+(``rms_norm(x, 1 + weight)``): the norm kernels above by ``1 + weight``,
+made once per weight array (the values mlx-lm's call adds every time), so
+each of a Gemma 3 layer's six norms is one operation instead of about ten,
+its outputs mlx-lm's to float rounding as for ``nn.RMSNorm``; other
+model-specific variants keep their own code.  The kernels are made per
+call, so two engines in one process never share a compiled function.
 
 Matrix products go to the BLAS under MLX.  Normally that is OpenBLAS
 (``afm_core._mlx.blas``), which reads a weight in either order at full speed and
@@ -89,6 +93,60 @@ class _FusedRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         decode = x.ndim >= 3 and x.shape[1] == 1
         return self._kernels[0 if decode else 1](x, self["weight"])
+
+
+_GEMMA_NORM_MODULES = ("gemma2", "gemma3_text")
+"""mlx-lm architectures whose ``RMSNorm`` scales by ``1 + weight``
+(``mx.fast.rms_norm(x, 1.0 + weight, eps)``)."""
+
+
+def _gemma_norm_call(self: Any, x: mx.array) -> mx.array:
+    return self._kernels[0 if x.ndim >= 3 and x.shape[1] == 1 else 1](x, self.scale())
+
+
+def _gemma_norm_scale(self: Any) -> mx.array:
+    """``1.0 + weight`` (the array mlx-lm's call computes each time),
+    computed once per weight array."""
+    weight = self["weight"]
+    held = self._scale
+    if held is None or held[0] is not weight:
+        held = (weight, 1.0 + weight)
+        mx.eval(held[1])
+        object.__setattr__(self, "_scale", held)
+    return held[1]  # type: ignore[no-any-return]
+
+
+def _gemma_norms() -> dict[type, type]:
+    """Gemma's norm classes and their fused classes: the norm of ``x`` by
+    ``1 + weight`` on the kernels of :class:`_FusedRMSNorm` (one operation
+    for float32 with the extension), the ``1 + weight`` made once instead
+    of every call.  Each keeps mlx-lm's class as its first base."""
+    import importlib
+
+    norms: dict[type, type] = {}
+    for name in _GEMMA_NORM_MODULES:
+        base = importlib.import_module(f"mlx_lm.models.{name}").RMSNorm
+        norms[base] = type("RMSNorm", (base,), {
+            "__call__": _gemma_norm_call, "scale": _gemma_norm_scale, "__module__": __name__,
+            "__qualname__": f"FusedRMSNorm.{name}", "_one_operation": False})
+    return norms
+
+
+_GEMMA_NORMS = _gemma_norms()
+_FUSED_GEMMA_NORMS = frozenset(_GEMMA_NORMS.values())
+
+
+def one_operation_norm(norm: Any) -> tuple[mx.array, float] | None:
+    """The weight and eps of ``norm`` (afm's fused norm, or Gemma's with
+    ``1 + weight`` as its weight) when its float32 calls are the
+    extension's one-operation ``rms_norm`` of them; None otherwise."""
+    if type(norm) is _FusedRMSNorm:
+        weight = norm["weight"]
+    elif type(norm) in _FUSED_GEMMA_NORMS:
+        weight = norm.scale()
+    else:
+        return None
+    return (weight, float(norm.eps)) if norm._one_operation and weight.dtype == mx.float32 else None
 
 
 class _FusedRoPE(nn.RoPE):
@@ -292,11 +350,15 @@ def fuse_cpu_kernels(model: nn.Module, *, transpose: bool | None = None) -> int:
             kernels: object = mx.contiguous(layer["weight"].T)
             mx.eval(kernels)
             layer.__class__ = _HeadEmbedding
-        elif type(layer) is nn.RMSNorm:
+        elif type(layer) is nn.RMSNorm or type(layer) in _GEMMA_NORMS:
             if layer.eps not in norms:
                 norms[layer.eps] = _norm_kernels(layer.eps)
             kernels = norms[layer.eps]
-            layer.__class__ = _FusedRMSNorm
+            if type(layer) is nn.RMSNorm:
+                layer.__class__ = _FusedRMSNorm
+            else:
+                layer.__class__ = _GEMMA_NORMS[type(layer)]
+                object.__setattr__(layer, "_scale", None)
             object.__setattr__(layer, "_one_operation", _layer_ops() is not None)
         elif type(layer) is nn.RoPE:
             key = (layer.dims, layer.traditional, layer.base, layer.scale)
@@ -338,10 +400,12 @@ def unfuse_cpu_kernels(model: nn.Module) -> int:
         if isinstance(layer, _TransposedLinear):
             layer["weight"] = mx.contiguous(layer["weight"].T)
             mx.eval(layer["weight"])
-        elif isinstance(layer, (_FusedRMSNorm, _FusedRoPE, _HeadEmbedding)):
+        elif isinstance(layer, (_FusedRMSNorm, _FusedRoPE, _HeadEmbedding)) or type(layer) in _FUSED_GEMMA_NORMS:
             object.__delattr__(layer, "_kernels")
-            if isinstance(layer, _FusedRMSNorm):
+            if isinstance(layer, _FusedRMSNorm) or type(layer) in _FUSED_GEMMA_NORMS:
                 object.__delattr__(layer, "_one_operation")
+            if type(layer) in _FUSED_GEMMA_NORMS:
+                object.__delattr__(layer, "_scale")
         else:
             continue
         layer.__class__ = layer.__class__.__mro__[1]

@@ -184,13 +184,13 @@ def family_swiglu(gate: Any, up: Any, x: mx.array, norm: Norm | None = None) -> 
 
 
 def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
-                   heads: tuple[int, ...]) -> list[mx.array] | None:
+                   heads: tuple[int, ...] | None) -> list[mx.array] | None:
     """Each of ``layers``' output for ``x`` (B, 1, K) (for ``rms_norm(x)``
     with ``norm``: its weight and eps, the norm in the product's prologue)
     from their family's one product, shaped (B, heads[i], 1, width /
-    heads[i]) (the same elements), when ``layers`` are a whole family in
-    order, without biases added after the product, and ``x`` is float32;
-    None otherwise."""
+    heads[i]) (the same elements; ``heads`` None: (B, 1, width)), when
+    ``layers`` are a whole family in order, without biases added after the
+    product, and ``x`` is float32; None otherwise."""
     first = layers[0]
     if type(first) is not _GroupedQuantizedLinear or x.dtype != mx.float32:
         return None
@@ -199,11 +199,41 @@ def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
             type(layer) is not _GroupedQuantizedLinear or layer._group is not group or layer._index != i
             for i, layer in enumerate(layers)):
         return None
-    if x.ndim != 3 or x.shape[1] != 1 or any(n % h for n, h in zip(group.splits, heads, strict=True)):
+    if x.ndim != 3 or x.shape[1] != 1 or (heads is not None and any(
+            n % h for n, h in zip(group.splits, heads, strict=True))):
         return None
     if any("bias" in layer and _qmm.fused_bias(layer, x) is None for layer in layers):
         return None  # (a bias added after the product: the outputs keep their shapes)
+    if heads is None:
+        return group.product(x, norm)
     return group.product(x, norm, [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)])
+
+
+def layer_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
+                  heads: tuple[int, ...] | None) -> list[mx.array] | None:
+    """What :func:`family_outputs` gives, for siblings left apart (their
+    weights differ in bits, say: Q4_K_M files keep some layers' values at
+    6 bits): each layer's own product with the norm in its prologue and
+    its output in its heads' shape (a one-member split product: the same
+    rows as the layer's call), when each is one of afm's quantized layers
+    whose product adds its bias, and ``x`` is float32 (B, 1, K); None
+    otherwise."""
+    ext = _qmm.extension()
+    if ext is None or x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1:
+        return None
+    if any(type(layer) is not _qmm._FastQuantizedLinear or ("bias" in layer and _qmm.fused_bias(layer, x) is None)
+           for layer in layers):
+        return None
+    widths = [int(layer["weight"].shape[0]) for layer in layers]
+    if heads is not None and any(n % h for n, h in zip(widths, heads, strict=True)):
+        return None
+    weight, eps = norm if norm is not None else (None, 0.0)
+    outs = []
+    for i, (layer, n) in enumerate(zip(layers, widths, strict=True)):
+        shapes = [] if heads is None else [(x.shape[0], heads[i], 1, n // heads[i])]
+        outs.extend(ext.quantized_matmul_split(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size,
+                                               layer.bits, [n], [_qmm.fused_bias(layer, x)], weight, eps, shapes))
+    return outs
 
 
 def fused_swiglu(gate: mx.array, up: mx.array) -> mx.array | None:

@@ -392,6 +392,23 @@ def test_a_mask_shared_by_the_layers_is_broadcast_once():
         _attention._scores_mask(mx.ones((3, 8), dtype=mx.bool_), q, k.shape[2])
 
 
+def test_two_interleaved_masks_are_each_broadcast_once():
+    """Gemma 3's sliding-window layers share one mask, its global layers
+    another, five of one kind between each of the other."""
+    q, k, _ = _qkv(2, 4, 2, 8, 16)
+    sliding = mx.array([[True] * 8, [False] * 3 + [True] * 5])[:, None, None, :]
+    full = mx.array([[True] * 8, [False] * 2 + [True] * 6])[:, None, None, :]
+    a, b = _attention._scores_mask(sliding, q, k.shape[2]), _attention._scores_mask(full, q, k.shape[2])
+    for _ in range(3):
+        assert _attention._scores_mask(sliding, q, k.shape[2]) is a
+        assert _attention._scores_mask(full, q, k.shape[2]) is b
+    third = mx.array([[True] * 8, [True] * 8])[:, None, None, :]
+    _attention._scores_mask(third, q, k.shape[2])  # (the oldest is let go: two are held)
+    assert _attention._scores_mask(full, q, k.shape[2]) is b
+    assert _attention._scores_mask(sliding, q, k.shape[2]) is not a
+    np.testing.assert_array_equal(np.array(_attention._scores_mask(sliding, q, k.shape[2])), np.array(a))
+
+
 
 @needs_ext
 @pytest.mark.parametrize("half", [False, True])

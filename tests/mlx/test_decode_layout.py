@@ -1,5 +1,5 @@
-"""afm_core._mlx.decode_layout: mlx-lm's llama, qwen2 and qwen3 layers at
-decode, with fewer operations, give mlx-lm's bits."""
+"""afm_core._mlx.decode_layout: mlx-lm's llama, qwen2, qwen3 and Gemma 3
+layers at decode, with fewer operations, give mlx-lm's bits."""
 
 from __future__ import annotations
 
@@ -13,27 +13,42 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 import afm_core  # noqa: F401  (binds the BLAS under MLX first)
-from afm_core._mlx import decode_layout, fusion, half_cache
+from afm_core._mlx import batch, decode_layout, fusion, half_cache
 from afm_core._mlx import qmatmul as _qmatmul
 
 ext = _qmatmul.extension()
 needs_ext = pytest.mark.skipif(ext is None, reason="afm_core._mlx.qmm_ext is not built or disabled")
 
 
-def tiny(kind: str, *, quantized: bool) -> Any:
+def mixed_bits(path: str, module: nn.Module) -> bool | dict[str, int]:
+    """4 bits, and 8 for the values and down products (as Q4_K_M files keep
+    some at 6): the q/k/v family is then left apart."""
+    if not hasattr(module, "to_quantized"):
+        return False
+    return {"group_size": 32, "bits": 8} if path.endswith(("v_proj", "down_proj")) else True
+
+
+def tiny(kind: str, *, quantized: bool | str) -> Any:
     module = importlib.import_module(f"mlx_lm.models.{kind}")
     args = {"model_type": kind, "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 300,
             "rope_theta": 10000.0, "tie_word_embeddings": True}
     if kind == "qwen3":
         args.update(head_dim=16, max_position_embeddings=4096)
+    if kind == "gemma3_text":  # a sliding layer then a global one; the window wraps within a test
+        args.update(head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=16)
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(args))
     if quantized:
-        nn.quantize(model, group_size=32, bits=4)
+        nn.quantize(model, group_size=32, bits=4, class_predicate=mixed_bits if quantized == "mixed" else None)
     mx.eval(model.parameters())
     return model
 
@@ -45,16 +60,29 @@ def primitives(out: mx.array) -> collections.Counter[str]:
     return collections.Counter(re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', graph))
 
 
-def decode(model: Any, rows: int, half: bool = False) -> tuple[list[np.ndarray], collections.Counter[str]]:
-    """A prompt, then four decode steps: every step's logits, and the last
+WINDOW = 8
+"""The tiny Gemma 3's sliding window: its prompt and decode steps pass it."""
+
+
+def cache_of(model: Any, rows: int) -> list[Any]:
+    """The model's caches for one row, or a batch of two (the second left-padded by 3)."""
+    if rows == 1:
+        return make_prompt_cache(model)  # type: ignore[no-any-return]
+    return [BatchRotatingKVCache(WINDOW, [0, 3]) if getattr(layer.self_attn, "is_sliding", False)
+            else BatchKVCache([0, 3]) for layer in model.layers]
+
+
+def decode(model: Any, rows: int, half: bool = False,
+           steps: tuple[int, ...] = (8, 200, 45, 3)) -> tuple[list[np.ndarray], collections.Counter[str]]:
+    """A prompt, then decode steps: every step's logits, and the last
     step's operations; ``half``: on float16 caches (:mod:`.half_cache`)."""
-    cache = make_prompt_cache(model) if rows == 1 else [BatchKVCache([0, 3]) for _ in model.layers]
+    cache = cache_of(model, rows)
     if half:
         half_cache.to_half(cache)
     outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]][:rows]), cache=cache)]
     mx.eval(outs)
     ops: collections.Counter[str] = collections.Counter()
-    for t in (8, 200, 45, 3):
+    for t in steps:
         outs.append(model(mx.array([[t]] * rows), cache=cache))
         ops = primitives(outs[-1])
         mx.eval(outs)
@@ -67,20 +95,23 @@ def swap(model: Any, layouts: bool) -> None:
 
 @needs_ext
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [False, True, "mixed"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("half", [False, True])
-def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool, rows: int,
+def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized: bool | str, rows: int,
                                                             half: bool) -> None:
     """Eight operations fewer per layer (the four transposes, the output's
     reshape, the two slices of the cache, and the queries' and keys' rotary
     embeddings in one); with afm's quantized products seven more (the q/k/v
     product shapes the heads, the epilogues add the residuals, the
     prologues compute the norms); with a float16 cache two more (a write for
-    each buffer's cast and update)."""
+    each buffer's cast and update).  ``mixed``: the values' product at 8
+    bits, so the q/k/v family is left apart: each product shapes its heads
+    and computes the norm in its prologue all the same."""
     model = tiny(kind, quantized=quantized)
     fusion.fuse_cpu_kernels(model, transpose=False)
     block, attention = model.layers[0], model.layers[0].self_attn
+    assert (type(attention.v_proj) is _qmatmul._FastQuantizedLinear) == (quantized == "mixed")  # (not grouped)
     assert type(block).__name__ == "TransformerBlock" and type(block).__mro__[1].__name__ == "TransformerBlock"
     assert "DecodeLayout" in type(block).__qualname__ and "DecodeLayout" in type(attention).__qualname__
     ours, ops = decode(model, rows, half)
@@ -89,7 +120,7 @@ def test_the_layouts_give_mlx_lm_bits_with_fewer_operations(kind: str, quantized
     theirs, their_ops = decode(model, rows, half)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
-    fewer = 8 + 7 * quantized + 2 * half
+    fewer = 8 + 7 * bool(quantized) + 2 * half
     assert ops["Slice"] == 0 < their_ops["Slice"]  # the cache's buffers are read in place
     assert (ops["AfmRopeDecode"], their_ops["AfmRopeDecode"]) == (len(model.layers), 2 * len(model.layers))
     assert ops["AfmKvWrite"] == (2 * len(model.layers) if half else 0)
@@ -296,3 +327,106 @@ def test_a_batch_merged_from_a_row_is_written_in_place_while_the_row_lives() -> 
         mx.eval(batch.keys, batch.values)
         seen.add((address(batch.keys), address(batch.values)))
     assert len(seen) == 1 and row.keys is batch.keys
+
+
+@needs_ext
+@pytest.mark.parametrize("quantized", [False, True, "mixed"])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("half", [False, True])
+def test_gemma3_layouts_give_mlx_lm_bits_with_fewer_operations(quantized: bool | str, rows: int,
+                                                               half: bool) -> None:
+    """Gemma 3's layers (a sliding-window layer on a rotating cache, which
+    wraps here, then a global one): the attention's layout as qwen3's (the
+    sliding layer reads the cache mlx-lm's rotating update returns), the
+    block's input and pre-feedforward norms in the products' prologues."""
+    model = tiny("gemma3_text", quantized=quantized)
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    sliding, full = model.layers
+    assert (type(full.self_attn.v_proj) is _qmatmul._FastQuantizedLinear) == (quantized == "mixed")
+    assert sliding.self_attn.is_sliding and not full.self_attn.is_sliding
+    for block in model.layers:
+        assert "DecodeLayout" in type(block).__qualname__ + type(block.self_attn).__qualname__
+        assert fusion.one_operation_norm(block.input_layernorm) is not None
+    steps = tuple(range(20, 20 + 2 * WINDOW))  # the prompt's 6 positions and 16 more: the window wraps twice
+    ours, ops = decode(model, rows, half, steps)
+    caches = (RotatingKVCache, BatchRotatingKVCache)
+    swap(model, False)
+    assert all("DecodeLayout" not in type(m).__qualname__ for _, m in model.named_modules())
+    theirs, their_ops = decode(model, rows, half, steps)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # per layer pair: the four transposes each; the queries' and keys' rotary
+    # embeddings in one each; both layers read their buffers in place (no
+    # slices: the global layer's, and the sliding one's until its window
+    # fills) with the output as (B, 1, H x D) (two reshapes); with afm's
+    # quantized products the q/k/v product shapes the heads (six reshapes)
+    # and the input and pre-feedforward norms are the products' prologues
+    # (four); with a float16 cache, the global layer's two writes
+    assert sum(their_ops.values()) - sum(ops.values()) == 14 + 10 * bool(quantized) + 2 * half
+    assert (ops["Slice"], ops["AfmRopeDecode"], ops["AfmKvWrite"]) == (0, 2, 2 * half)
+    assert (their_ops["Transpose"] - ops["Transpose"], their_ops["AfmRopeDecode"]) == (8, 4)
+    if quantized:  # the model's final norm, and each layer's query, key and two post-norms
+        assert (ops["AfmRMSNorm"], their_ops["AfmRMSNorm"]) == (9, 13)
+    assert type(cache_of(model, rows)[0]) in caches  # (the sliding layer's: rotating)
+    early = decode(model, rows, half, steps[:1])[1]  # the sliding window not yet full: mlx-lm slices it
+    swap(model, True)
+    early_ours = decode(model, rows, half, steps[:1])[1]
+    assert early["Slice"] == 4 and early_ours["Slice"] == 0
+    swap(model, True)
+    fusion.unfuse_cpu_kernels(model)
+    assert all("DecodeLayout" not in type(m).__qualname__ and "Fused" not in type(m).__qualname__
+               for _, m in model.named_modules())
+
+
+@needs_ext
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gemma3_sliding_layers_sharing_one_offset_drop_their_own(quantized: bool) -> None:
+    """A batch's sliding-window layers after ``batch.share_offsets``: each
+    but the first writes its cache without mlx-lm's ``mx.depends`` while
+    its window fills (its own offset's broadcast and addition are dropped
+    at the next share); mlx-lm's update where it grows, rotates or does not
+    share, the same bits at every step, before and after the windows wrap."""
+    window = 16
+    module = importlib.import_module("mlx_lm.models.gemma3_text")
+    args = {"model_type": "gemma3_text", "hidden_size": 96, "num_hidden_layers": 6, "intermediate_size": 128,
+            "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 300, "sliding_window": window, "sliding_window_pattern": 3, "query_pre_attn_scalar": 16}
+    mx.random.seed(4)
+    model = module.Model(module.ModelArgs.from_dict(args))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    fusion.fuse_cpu_kernels(model, transpose=False)
+    sliding = [layer.self_attn.is_sliding for layer in model.layers]
+    assert sliding == [True, True, False] * 2
+
+    def run(shared: bool) -> tuple[list[np.ndarray], list[collections.Counter[str]]]:
+        cache = [BatchRotatingKVCache(window, [0, 3]) if s else BatchKVCache([0, 3]) for s in sliding]
+        outs = [model(mx.array([[5, 17, 256, 3, 99, 41], [0, 0, 0, 12, 7, 31]]), cache=cache)]
+        mx.eval(outs)
+        ops = []
+        for t in range(30, 30 + 2 * window):  # grows at the first step, rotates from the eleventh
+            if shared:
+                batch.share_offsets(cache)
+            outs.append(model(mx.array([[t], [t + 1]]), cache=cache))
+            ops.append(primitives(outs[-1]))
+            mx.eval(outs)
+        return [np.array(o) for o in outs], ops
+
+    ours, ops = run(shared=True)
+    alone, alone_ops = run(shared=False)
+    swap(model, False)
+    theirs, their_ops = run(shared=True)
+    for a, b, c in zip(ours, alone, theirs, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+    followers = sum(sliding) - 1  # (the first sliding layer keeps mlx-lm's update)
+    steady = 4  # a step while the windows fill
+    # (and, shared, the second global layer's offset: its broadcast and addition, as before)
+    assert sum(alone_ops[steady].values()) - sum(ops[steady].values()) == 3 * followers + 2
+    assert (ops[steady]["Depends"], alone_ops[steady]["Depends"], their_ops[steady]["Depends"]) == (
+        1, 1 + followers, 1 + followers)
+    for step in (0, -1):  # growing, rotated: mlx-lm's update (the global layer's offset still shared)
+        assert ops[step]["Depends"] == alone_ops[step]["Depends"] == their_ops[step]["Depends"] == 1 + followers
+        assert sum(alone_ops[step].values()) - sum(ops[step].values()) == 2
+    swap(model, True)

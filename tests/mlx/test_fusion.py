@@ -23,6 +23,7 @@ from afm_core._mlx.fusion import (
     _HeadEmbedding,
     _TransposedLinear,
     fuse_cpu_kernels,
+    one_operation_norm,
     transposes_help,
     unfuse_cpu_kernels,
     wants_fusion,
@@ -114,6 +115,43 @@ class _Holder(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_gemma_norms_are_fused_by_one_plus_their_weight(arch: str) -> None:
+    """Gemma's ``rms_norm(x, 1 + weight)``: afm's norm kernels by ``1 +
+    weight`` made once (one operation for float32 with the extension), the
+    same ``1 + weight`` when the weight is given a new array; unfused, mlx-lm's
+    class and call again."""
+    import importlib
+
+    base = importlib.import_module(f"mlx_lm.models.{arch}").RMSNorm
+    mx.random.seed(5)
+    norm = base(64, eps=1e-6)
+    norm.weight = mx.random.normal((64,)) * 0.1
+    fused = _Holder(base(64, eps=1e-6))
+    fused.layer.weight = norm.weight
+    assert fuse_cpu_kernels(fused) == 1
+    layer = fused.layer
+    assert type(layer) is not base and type(layer).__mro__[1] is base
+    assert [k for k, _ in tree_flatten(fused.parameters())] == ["layer.weight"]  # (the 1 + weight is no parameter)
+    for shape in [(1, 1, 64), (7, 1, 64), (2, 13, 64), (3, 4, 1, 64)]:  # decode, prefill, per-head norms
+        x = mx.random.normal(shape)
+        assert mx.allclose(layer(x), norm(x), rtol=1e-5, atol=1e-6).item(), shape
+        half = x.astype(mx.float16)
+        assert mx.allclose(layer(half), norm(half), rtol=1e-2, atol=1e-2).item()
+    args = one_operation_norm(layer)
+    if extension() is not None:
+        assert args is not None and args[1] == pytest.approx(1e-6)
+        assert mx.array_equal(args[0], 1.0 + norm.weight).item()
+        x = mx.random.normal((2, 1, 64))
+        assert mx.array_equal(layer(x), extension().rms_norm(x, 1.0 + norm.weight, 1e-6)).item()
+    layer.weight = norm.weight * 2
+    x = mx.random.normal((2, 1, 64))
+    assert mx.allclose(layer(x), mx.fast.rms_norm(x, 1.0 + norm.weight * 2, 1e-6), rtol=1e-5, atol=1e-6).item()
+    assert unfuse_cpu_kernels(fused) == 1
+    assert type(layer) is base and one_operation_norm(layer) is None
+    assert mx.array_equal(layer(x), mx.fast.rms_norm(x, 1.0 + norm.weight * 2, 1e-6)).item()
 
 
 def test_fused_layers_match_mlx(random_model_dir: Path) -> None:
