@@ -86,6 +86,7 @@ class Boot:
                 raise ModelLoadError(f"could not load the adapters: {exc}") from exc
         if config.draft_model is not None and config.spec_max_batch:
             self._draft = load_draft(config.draft_model, tokenizer, config.cpu_fusion)
+        _size_buffer_cache(model)
         tables = DecoderTables.from_tokenizer(tokenizer)
         worker = _distributed.worker_factory(config.distributed)(
             model, tokenizer, post=self.post, config=config, model_key=str(self.path),
@@ -105,6 +106,19 @@ class Boot:
             if loaded is not None:
                 detach_adapters(loaded)  # (before the rewrite it wraps is undone; none attached: nothing)
                 unfuse_cpu_kernels(loaded)
+
+
+def _size_buffer_cache(model: Any) -> None:
+    """MLX's cache of freed buffers sized to the model
+    (:func:`.kv_memory.buffer_cache_bytes`); process-wide, so the last
+    engine started sets it."""
+    import mlx.core as mx
+
+    from .kv_memory import buffer_cache_bytes, param_bytes
+
+    limit = buffer_cache_bytes(param_bytes(model))
+    mx.set_cache_limit(limit)
+    log.debug("MLX buffer cache limit: %d MiB", limit >> 20)
 
 
 def load_draft(spec: str | Path, tokenizer: Any, fuse: bool) -> Any:

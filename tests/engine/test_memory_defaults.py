@@ -1,7 +1,8 @@
 """The engine's memory defaults: a float16 KV cache where the model computes
 in float32 and its keys and values fit (``kv_dtype="auto"``), a prefix
 cache sized to the model (the KV cache of one request filling its context),
-and MLX's cache of freed buffers emptied whenever the engine falls idle."""
+MLX's cache of freed buffers sized to the model and emptied whenever the
+engine falls idle."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlx.core as mx
 
 from afm_core import CompletionRequest, Usage, open_engine
 from afm_core._engine.engine import Engine
+from afm_core._engine.kv_memory import buffer_cache_bytes
 from afm_core._mlx.half_cache import KVCache
 from tests.engine.test_engine import settled
 
@@ -65,3 +67,24 @@ async def test_falling_idle_gives_mlx_s_freed_buffers_back(random_model_dir: Pat
         await drain(engine, raw(list(range(3, 300)), max_tokens=40))
         await settled(engine)
         assert mx.get_cache_memory() == 0
+
+
+def test_the_buffer_cache_is_an_eighth_of_the_weights_within_mlx_s_default() -> None:
+    mib = 1 << 20
+    assert buffer_cache_bytes(97 * mib, {}) == 97 * mib // 8  # the default model: 12 MiB
+    assert buffer_cache_bytes(1 * mib, {}) == 8 * mib
+    assert buffer_cache_bytes(528 * mib, {}) == 32 * mib  # MLX's own default
+    assert buffer_cache_bytes(97 * mib, {"AFM_MLX_CACHE_MIB": "0"}) == 0
+    assert buffer_cache_bytes(97 * mib, {"AFM_MLX_CACHE_MIB": "40"}) == 40 * mib
+
+
+async def test_an_engine_sizes_mlx_s_buffer_cache_to_its_model(random_model_dir: Path, monkeypatch) -> None:
+    before = mx.set_cache_limit(32 << 20)
+    try:
+        async with open_engine(random_model_dir, warmup=False):
+            assert mx.set_cache_limit(32 << 20) == 8 << 20  # (a tiny model: the floor)
+        monkeypatch.setenv("AFM_MLX_CACHE_MIB", "20")
+        async with open_engine(random_model_dir, warmup=False):
+            assert mx.set_cache_limit(32 << 20) == 20 << 20
+    finally:
+        mx.set_cache_limit(before)
