@@ -13,8 +13,11 @@
 // where one operation after another needs 30).  So an afm operation waits,
 // before it is queued, while the outputs of afm operations queued and not
 // yet computed exceed the in-flight limit (set_in_flight_limit; at least
-// one always proceeds): decode steps never reach it, a prompt's chunk runs
-// a few operations ahead.  MLX's own bound (its memory limit) cannot serve:
+// one always proceeds): a prompt's chunk runs a few operations ahead.
+// Outputs under kCounted bytes neither wait nor count: a decode step's are
+// (at 8 streams of a 1.5B model each layer's are a few hundred KiB, and a
+// step's together 16 MiB, which made the next step wait about once a step),
+// and only its vocabulary product's logits are larger.  MLX's own bound (its memory limit) cannot serve:
 // its wait returns at once with one task active, and the encoder spins.
 #pragma once
 
@@ -51,6 +54,9 @@ inline InFlight& in_flight() {
   return state;
 }
 
+// Outputs smaller than this are not held back (see the top of this file).
+constexpr size_t kCounted = size_t{1} << 20;
+
 // Wait until `bytes` more fit under the limit (or nothing is in flight), then count them.
 inline void admit(size_t bytes) {
   if (bytes == 0) return;
@@ -77,6 +83,7 @@ constexpr size_t kOutputBytes = std::numeric_limits<size_t>::max();
 
 template <typename Fn>
 void enqueue(const mlx::core::Stream& stream, size_t bytes, Fn fn) {
+  if (bytes < kCounted) bytes = 0;
   admit(bytes);
   mlx::core::cpu::get_command_encoder(stream).dispatch([fn = std::move(fn), bytes]() mutable {
     struct Retire {
