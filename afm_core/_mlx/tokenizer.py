@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CHUNK_CHARS", "encode", "hf_tokenizer", "special_spellings"]
+__all__ = ["CHUNK_CHARS", "drop_token_map", "encode", "hf_tokenizer", "special_spellings"]
 
 CHUNK_CHARS = 16384
 """Characters per piece of a long text (:func:`encode`)."""
@@ -45,6 +45,23 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def drop_token_map(tokenizer: Any) -> None:
+    """Give an mlx-lm wrapper the streaming detokenizer that keeps no table.
+
+    ``TokenizerWrapper`` builds its ``detokenizer`` when it is made: for a
+    byte-level vocabulary (``BPEStreamingDetokenizer``) a list of every
+    token's text, 3.4 MiB on SmolLM2's 49k tokens, 10 on Qwen's 151k.  afm
+    detokenizes with its own tables (:mod:`afm_core._stream.detok`), so the
+    wrapper's is only for host code asking ``tokenizer.detokenizer``: it
+    gets mlx-lm's ``NaiveStreamingDetokenizer`` (the tokenizer's own decode;
+    same text, more work per token)."""
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
+
+    if isinstance(tokenizer, TokenizerWrapper) and \
+            not isinstance(tokenizer._detokenizer, NaiveStreamingDetokenizer):
+        tokenizer._detokenizer = NaiveStreamingDetokenizer(tokenizer._tokenizer)
 
 
 def special_spellings(tokenizer: Any) -> frozenset[str]:

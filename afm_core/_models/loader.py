@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ModelLoadError
-from .._mlx.tokenizer import hf_tokenizer
+from .._mlx.tokenizer import drop_token_map, hf_tokenizer
 from .templates import template_features
 
 
@@ -38,6 +38,7 @@ def load(path: Path) -> tuple[Any, Any, ModelInfo]:
         model, tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
     except Exception as exc:  # any failure surfaces as a typed error
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
+    drop_token_map(tokenizer)
     return model, tokenizer, describe(path, tokenizer)
 
 

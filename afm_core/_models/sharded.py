@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ModelLoadError
+from .._mlx.tokenizer import drop_token_map
 from .loader import ModelInfo, describe
 
 __all__ = ["MODES", "check_pipeline", "check_tensor_parallel", "load_sharded"]
@@ -123,4 +124,5 @@ def load_sharded(path: Path, mode: str, group: Any) -> tuple[Any, Any, ModelInfo
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
     # every rank has its shard before any rank computes (mlx-lm's sharded_load does the same)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    drop_token_map(tokenizer)
     return model, tokenizer, describe(path, tokenizer)

@@ -22,7 +22,7 @@ from codecs import utf_8_decode
 from collections.abc import Iterable
 from typing import Any
 
-from .detok_tables import BYTE, SKIP, TEXT, DecoderTables
+from .detok_tables import BYTE, RAW, SKIP, TEXT, DecoderTables
 
 __all__ = ["DecoderTables", "IncrementalDetokenizer"]
 
@@ -70,7 +70,11 @@ class IncrementalDetokenizer:
             return self._strip(text) if self._strip_left else text
         if kind == TEXT and not self._pending:
             return self._texts[token_id]  # type: ignore[return-value]
-        raw = self._raws[token_id]
+        if kind == RAW:
+            raw = self._raws[token_id]
+        else:  # a TEXT id after held-back bytes: its bytes are its text's UTF-8
+            own = self._texts[token_id]
+            raw = own.encode() if own is not None else None
         assert raw is not None
         data = self._pending + raw
         text, used = utf_8_decode(data, "replace", False)

@@ -36,7 +36,7 @@ __all__ = [
 # Token kinds.
 SKIP = 0  # dropped (skipped special token or unknown id)
 TEXT = 1  # ``texts[id]`` is the token's standalone text
-RAW = 2  # byte_level: ``raws[id]`` is not valid UTF-8 on its own
+RAW = 2  # byte_level: ``raws[id]`` is not valid UTF-8 on its own (only RAW ids keep their bytes)
 BYTE = 3  # sentencepiece: a ``<0xNN>`` byte-fallback token, value ``bytevals[id]``
 
 
@@ -140,7 +140,7 @@ class DecoderTables:
     mode: str  # "byte_level" | "sentencepiece"
     kinds: bytes  # SKIP / TEXT / RAW / BYTE per id
     texts: list[str | None]
-    raws: list[bytes | None]  # byte_level only
+    raws: list[bytes | None]  # byte_level RAW ids only (a TEXT id's bytes are its text's UTF-8)
     bytevals: bytes  # sentencepiece byte tokens
     first_texts: dict[int, str]  # sentencepiece: first-token variants that differ
     strip_char: str = " "
@@ -150,13 +150,14 @@ class DecoderTables:
     def from_tokenizer(cls, tokenizer: Any, *, skip_special_tokens: bool = True) -> DecoderTables:
         """Build from a ``tokenizers.Tokenizer``, HF fast tokenizer or mlx-lm wrapper."""
         backend = backend_tokenizer(tokenizer)
-        config = json.loads(backend.to_str())
-        decoder = config.get("decoder")
+        # the decoder's and the added tokens' configs only: parsing the whole
+        # tokenizer.json (its merges) for them left megabytes in the heap
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else None
         if not isinstance(decoder, dict):
             raise UnsupportedDecoderError(f"tokenizer has no decoder ({decoder!r})")
-        added = config.get("added_tokens") or []
-        special = {a["content"] for a in added if a.get("special")} if skip_special_tokens else set()
-        size = max([backend.get_vocab_size(with_added_tokens=True), *(a["id"] + 1 for a in added)])
+        added = backend.get_added_tokens_decoder()
+        special = {a.content for a in added.values() if a.special} if skip_special_tokens else set()
+        size = max([backend.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
         tokens: list[str | None] = [backend.id_to_token(i) for i in range(size)]
         if decoder.get("type") == "ByteLevel" or (
             decoder.get("type") == "Sequence"
@@ -178,11 +179,11 @@ class DecoderTables:
                 raw = bytes(table[c] for c in token)
             except KeyError:
                 raw = token.encode("utf-8")
-            raws[i] = raw
             try:
                 texts[i] = raw.decode("utf-8")
                 kinds[i] = TEXT
             except UnicodeDecodeError:
+                raws[i] = raw
                 kinds[i] = RAW
         return cls("byte_level", bytes(kinds), texts, raws, bytes(len(tokens)), {})
 

@@ -91,7 +91,10 @@ cdef class IncrementalDetokenizer:
             return text
         if kind == TEXT and PyBytes_GET_SIZE(self._pending) == 0:
             return <str>PyList_GET_ITEM(self._texts, token_id)
-        data = self._pending + <bytes>PyList_GET_ITEM(self._raws, token_id)
+        if kind == RAW:
+            data = self._pending + <bytes>PyList_GET_ITEM(self._raws, token_id)
+        else:  # a TEXT id after held-back bytes: its bytes are its text's UTF-8
+            data = self._pending + (<str>PyList_GET_ITEM(self._texts, token_id)).encode("utf-8")
         text = PyUnicode_DecodeUTF8Stateful(
             PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), "replace", &used
         )

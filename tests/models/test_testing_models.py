@@ -171,3 +171,22 @@ def test_cli_make_model(tmp_path: Path) -> None:
         )
         assert proc.stdout.strip() == str(out)
         mlx_lm.load(str(out))
+
+
+def test_afm_load_keeps_the_wrappers_detokenizer_working(echo_model_dir: Path) -> None:
+    """afm's loader swaps mlx-lm's table-building streaming detokenizer for
+    its naive one (afm has its own tables); host code asking the wrapper for
+    ``detokenizer`` still gets every text right."""
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    from afm_core._models.loader import load
+
+    _, tok, _ = load(echo_model_dir)
+    for text in ECHO_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = tok.detokenizer
+        assert isinstance(detok, NaiveStreamingDetokenizer)
+        for i in ids:
+            detok.add_token(i)
+        detok.finalize()
+        assert detok.text == tok.decode(ids)

@@ -91,6 +91,17 @@ def test_byte_level_invalid_bytes_become_replacement(twin: TwinSet) -> None:
     assert "".join(deltas) + rest == tok.decode(ids) == "\ufffdA\ufffd\ufffd"
 
 
+def test_byte_level_tables_keep_bytes_only_for_raw_tokens() -> None:
+    """A TEXT token's bytes are its text's UTF-8 (the detokenizers encode it
+    when it follows held-back bytes, as above), so only RAW ids keep bytes."""
+    from afm_core._stream.detok_tables import RAW, TEXT
+
+    _, tables = load("byte_level_256")
+    kinds = list(tables.kinds)
+    assert RAW in kinds and TEXT in kinds
+    assert [raw is not None for raw in tables.raws] == [k == RAW for k in kinds]
+
+
 def toks_byte_map() -> dict[str, int]:
     from afm_core._stream.detok_tables import byte_decoder
 
