@@ -3,8 +3,9 @@ process per setting, the ``openai`` SDK streaming one answer.
 
     .venv/bin/python benchmarks/decode_served.py [--model DIR] [--env AFM_BLAS_GEMV=off --env AFM_BLAS_GEMV=auto] [--rounds 3]
 
-For each ``--env`` setting (``NAME=VALUE``, repeatable; each one is a server
-of its own; none: the defaults), a server starts on a free port, serves one
+For each ``--env`` setting (``NAME=VALUE``, or several separated by spaces
+in one argument; repeatable; each one is a server of its own; none: the
+defaults), a server starts on a free port, serves one
 warm-up answer, then ``--rounds`` streamed answers to "Write three sentences
 about Paris." (greedy, ``--max-tokens`` 128, ``ignore_eos`` so every answer
 is equally long).  Decode tok/s is (the usage's completion tokens - 1) /
@@ -84,7 +85,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    settings = [dict([e.split("=", 1)]) for e in args.env] or [{}]
+    settings = [dict(item.split("=", 1) for item in e.split()) for e in args.env] or [{}]
     servers = [Server(args.model, env) for env in settings]
     results: list[dict[str, list[float]]] = [{"tok_s": [], "ttft": []} for _ in settings]
     try:
