@@ -217,7 +217,8 @@ def _embedded_heads(attn: Any, x: mx.array, norm: Any, offset: Any) -> list[mx.a
     if epilogue is None:
         return None
     return family_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x, args,
-                          (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads), tuple(epilogue))
+                          (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads),
+                          (epilogue.offset, epilogue.freqs, epilogue.dims, epilogue.traditional))
 
 
 def _embed_positions(rope: Any, queries: mx.array, keys: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
