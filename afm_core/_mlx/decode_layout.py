@@ -14,7 +14,10 @@ position per row, make several that compute nothing:
   (``qmm_groups.family_outputs``) and the attention kernel writes its
   output as (B, 1, H x D) (``decode_attention``'s ``merge_heads``): eight
   reshapes and transposes fewer.  The queries' and keys' rotary
-  embeddings are one operation (``_FusedRoPE.pair``), and the attention
+  embeddings are one operation (``_FusedRoPE.pair``), or none of their
+  own where the q/k/v family's product embeds them in its epilogue
+  (llama and qwen2: no per-head norms between; ``_FusedRoPE.epilogue``,
+  the same code on the product's outputs), and the attention
   reads the cache's buffers in place up to the positions they hold
   (``attention.decode_heads``) instead of through two slices;
 * a float16 cache (:mod:`.half_cache`, the engine's default) casts the
@@ -36,7 +39,7 @@ position per row, make several that compute nothing:
   prologue and the heads in its output shape all the same
   (``qmm_groups.layer_outputs``).
 
-A layer's decode is then 8 operations (the default model's step: 300
+A layer's decode is then 7 operations (the default model's step: 270
 instead of 897).
 
 Gemma 3's attention is qwen3's (norms of each head's query and key) on two
@@ -83,7 +86,7 @@ from . import qmatmul as _qmm
 from .batch import shares_offset
 from .fusion import _FusedRoPE, one_operation_norm
 from .qmatmul import residual_product
-from .qmm_groups import family_outputs, family_swiglu, layer_outputs
+from .qmm_groups import _GroupedQuantizedLinear, family_outputs, family_swiglu, layer_outputs
 from .reference_ops import kernels_allowed
 
 __all__ = ["NO_DECODE_LAYOUT_ENV", "restore_decode_layout", "update_and_fetch", "use_decode_layout"]
@@ -198,6 +201,26 @@ def _heads(attn: Any, x: mx.array, norm: Any) -> list[mx.array]:
                      (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads))
 
 
+def _embedded_heads(attn: Any, x: mx.array, norm: Any, offset: Any) -> list[mx.array] | None:
+    """``attn``'s queries, keys and values of ``x`` (of ``norm(x)``), each
+    (B, H, 1, D), the queries' and keys' positions embedded, from the q/k/v
+    family's one product with the rotary embedding in its epilogue (the bits
+    of :func:`_heads` then :func:`_embed_positions`); None where that product
+    does not apply."""
+    rope = attn.rope
+    if type(rope) is not _FusedRoPE or type(attn.q_proj) is not _GroupedQuantizedLinear:
+        return None
+    args = _norm_args(norm, x) if norm is not None else None
+    if norm is not None and args is None:
+        return None
+    epilogue = rope.epilogue(x.shape[0], attn.q_proj._group.splits[0] // attn.n_heads, offset)
+    if epilogue is None:
+        return None
+    return family_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x, args,
+                          (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads),
+                          (epilogue.offset, epilogue.freqs, epilogue.dims, epilogue.traditional))
+
+
 def _embed_positions(rope: Any, queries: mx.array, keys: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
     """``rope`` of the queries and of the keys, as one operation where it can be."""
     pair = rope.pair(queries, keys, offset) if type(rope) is _FusedRoPE else None
@@ -214,10 +237,14 @@ def _attention_layout(base: type) -> type:
         """The heads' output at one position per row, (B, 1, H x D), before
         the output product; with ``norm`` (the block's input norm), of
         ``norm(x)``."""
-        queries, keys, values = _heads(self, x, norm)
-        if normed:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries, keys = _embed_positions(self.rope, queries, keys, cache.offset)
+        heads = None if normed else _embedded_heads(self, x, norm, cache.offset)
+        if heads is not None:
+            queries, keys, values = heads
+        else:
+            queries, keys, values = _heads(self, x, norm)
+            if normed:
+                queries, keys = self.q_norm(queries), self.k_norm(keys)
+            queries, keys = _embed_positions(self.rope, queries, keys, cache.offset)
         if type(cache) is _cache.BatchRotatingKVCache and shares_offset(cache) \
                 and _rotating_write(cache, keys, values):
             fetched = None

@@ -69,7 +69,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,6 +149,15 @@ def one_operation_norm(norm: Any) -> tuple[mx.array, float] | None:
     return (weight, float(norm.eps)) if norm._one_operation and weight.dtype == mx.float32 else None
 
 
+class RopeEpilogue(NamedTuple):
+    """A quantized product's rotary epilogue: ``rope_decode``'s arguments."""
+
+    offset: mx.array
+    freqs: mx.array
+    dims: int
+    traditional: bool
+
+
 class _FusedRoPE(nn.RoPE):
     _kernels: _RopeKernels
 
@@ -161,6 +170,13 @@ class _FusedRoPE(nn.RoPE):
         """``(self(q, offset), self(k, offset))`` as one operation where each
         alone would take the extension's kernel (the same bits); None otherwise."""
         return self._kernels.pair(q, k, offset)
+
+    def epilogue(self, rows: int, head_dim: int, offset: Any) -> RopeEpilogue | None:
+        """What a quantized product needs to embed its first outputs' positions
+        in its epilogue (``quantized_matmul_split``'s ``rope_*``: the bits of
+        :meth:`pair`) for ``rows`` rows of one position each, heads of
+        ``head_dim``, at ``offset``; None where :meth:`pair` would not apply."""
+        return self._kernels.epilogue(rows, head_dim, offset)
 
 
 class _TransposedLinear(nn.Linear):
@@ -252,6 +268,19 @@ class _RopeKernels:
         q, k = ops.rope_decode_pair(q, k, offset, self._freqs[q.shape[-1]], 2 * (self.dims // 2),
                                     self.traditional)
         return q, k
+
+    def epilogue(self, rows: int, head_dim: int, offset: Any) -> RopeEpilogue | None:
+        """:meth:`pair`'s arguments for one-position float32 heads of ``rows``
+        rows, where it would apply; None otherwise."""
+        if self._ops is None:
+            return None
+        if isinstance(offset, int):
+            offset = mx.array(offset, dtype=mx.int32)
+        elif not (isinstance(offset, mx.array) and offset.dtype in _ROPE_OFFSET_TYPES
+                  and (offset.ndim == 0 or offset.shape == (rows,))):
+            return None
+        self.get(head_dim)  # (its frequencies)
+        return RopeEpilogue(offset, self._freqs[head_dim], 2 * (self.dims // 2), self.traditional)
 
     def get(self, head_dim: int) -> Kernel:
         kernel = self._by_head.get(head_dim)

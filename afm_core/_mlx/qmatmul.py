@@ -73,7 +73,10 @@ class _Extension(Protocol):
                                biases: mx.array, group_size: int, bits: int, splits: list[int],
                                bias: list[mx.array | None] = ..., norm_weight: mx.array | None = None,
                                norm_eps: float = 0.0,
-                               shapes: Sequence[Sequence[int]] = ...) -> list[mx.array]: ...
+                               shapes: Sequence[Sequence[int]] = ...,
+                               rope_offset: mx.array | None = None, rope_freqs: mx.array | None = None,
+                               rope_dims: int = 0, rope_traditional: bool = False,
+                               rope_outputs: int = 0) -> list[mx.array]: ...
     def quantized_matmul_swiglu(self, x: mx.array, w: mx.array, scales: mx.array,
                                 biases: mx.array, group_size: int, bits: int,
                                 norm_weight: mx.array | None = None, norm_eps: float = 0.0) -> mx.array: ...

@@ -61,6 +61,8 @@ NO_GROUPS_ENV = "AFM_NO_QMM_GROUPS"
 NO_SWIGLU_ENV = "AFM_NO_QMM_SWIGLU"
 
 Norm = tuple[mx.array, float]
+Rope = tuple[mx.array, mx.array, int, bool]
+"""A rotary epilogue: ``rope_decode``'s offset, frequencies, dims and traditional."""
 """An RMS norm's weight and eps, computed in a product's prologue."""
 
 _served = threading.local()
@@ -106,16 +108,23 @@ class _Group:
         return start, start + self.splits[index]
 
     def product(self, x: mx.array, norm: Norm | None = None,
-                shapes: Sequence[Sequence[int]] | None = None) -> list[mx.array]:
+                shapes: Sequence[Sequence[int]] | None = None, rope: Rope | None = None) -> list[mx.array]:
         """Every member's output for ``x`` (its bias added) from the family's
         one product; with ``norm`` (an RMS norm's weight and eps, float32),
         for ``rms_norm(x)`` computed in the product's prologue; with
         ``shapes``, each output in its shape (the same elements in the same
-        order)."""
+        order); with ``rope`` (``rope_decode``'s offset, frequencies, dims
+        and traditional), the first two outputs (queries and keys, shaped as
+        heads) embedded in the product's epilogue."""
         ext = _qmm.extension()
         assert ext is not None
         weight, eps = norm if norm is not None else (None, 0.0)
         biases = [_qmm.fused_bias(layer, x) for layer in self.members]
+        if rope is not None:
+            offset, freqs, dims, traditional = rope
+            return list(ext.quantized_matmul_split(
+                x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.splits, biases,
+                weight, eps, shapes or [], offset, freqs, dims, traditional, 2))
         outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases, self.group_size,
                                           self.bits, self.splits, biases, weight, eps, shapes or [])
         for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
@@ -184,13 +193,15 @@ def family_swiglu(gate: Any, up: Any, x: mx.array, norm: Norm | None = None) -> 
 
 
 def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
-                   heads: tuple[int, ...] | None) -> list[mx.array] | None:
+                   heads: tuple[int, ...] | None, rope: Rope | None = None) -> list[mx.array] | None:
     """Each of ``layers``' output for ``x`` (B, 1, K) (for ``rms_norm(x)``
     with ``norm``: its weight and eps, the norm in the product's prologue)
     from their family's one product, shaped (B, heads[i], 1, width /
     heads[i]) (the same elements; ``heads`` None: (B, 1, width)), when
     ``layers`` are a whole family in order, without biases added after the
-    product, and ``x`` is float32; None otherwise."""
+    product, and ``x`` is float32; None otherwise.  With ``rope`` (and
+    ``heads``), the first two outputs get ``rope_decode`` in the product's
+    epilogue (:meth:`_Group.product`)."""
     first = layers[0]
     if type(first) is not _GroupedQuantizedLinear or x.dtype != mx.float32:
         return None
@@ -205,8 +216,11 @@ def family_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
     if any("bias" in layer and _qmm.fused_bias(layer, x) is None for layer in layers):
         return None  # (a bias added after the product: the outputs keep their shapes)
     if heads is None:
-        return group.product(x, norm)
-    return group.product(x, norm, [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)])
+        return group.product(x, norm) if rope is None else None
+    shapes = [(x.shape[0], h, 1, n // h) for n, h in zip(group.splits, heads, strict=True)]
+    if rope is not None and (len(shapes) < 2 or shapes[0][3] != shapes[1][3]):
+        return None
+    return group.product(x, norm, shapes, rope)
 
 
 def layer_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,

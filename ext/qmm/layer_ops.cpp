@@ -33,6 +33,9 @@
 //   object itself.  Like MLX's slice update, the operation takes the old
 //   buffer over when nothing else holds it, and copies it otherwise.
 //
+// The quantized product's rotary epilogue (qmm_ext.cpp, quantized_matmul_split's
+// rope_*) runs rope_decode's code on the product's outputs in place: same bits.
+//
 // Float32 only (the cache write: float16 buffers); the Python side (afm_core._mlx.fusion, afm_core._mlx.activations)
 // calls them where they apply and keeps MLX's graph elsewhere.
 #include <cmath>
@@ -487,6 +490,11 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
 
 void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps) {
   rms_norm_compute(x, w, out, eps);
+}
+
+void rope_rows(const mx::array& x, const mx::array& offset, const mx::array& freqs, mx::array& out,
+               int dims, bool traditional) {
+  rope_compute(x, offset, freqs, out, dims, traditional);
 }
 
 void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {

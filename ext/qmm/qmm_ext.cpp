@@ -65,6 +65,10 @@ void swiglu_row(const float* gate, const float* up, float* out, int64_t n);
 // rms_norm's rows of x (float32, any strides) into out (rows x D, dense),
 // as the rms_norm operation computes them (layer_ops.cpp).
 void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps);
+// rope_decode's embedding of x (B, H, L, D) into out (row-contiguous; out may
+// be x itself when x is row-contiguous), as that operation computes it.
+void rope_rows(const mx::array& x, const mx::array& offset, const mx::array& freqs, mx::array& out,
+               int dims, bool traditional);
 }
 
 namespace afm_qmm {
@@ -668,10 +672,12 @@ class AfmQuantizedMatmul : public mx::Primitive {
  public:
   AfmQuantizedMatmul(mx::Stream stream, int group, int bits, std::vector<int> splits,
                      std::vector<bool> has_bias, bool swiglu = false, bool residual = false,
-                     bool norm = false, float norm_eps = 0.0f, std::vector<mx::Shape> shapes = {})
+                     bool norm = false, float norm_eps = 0.0f, std::vector<mx::Shape> shapes = {},
+                     int rope_outputs = 0, int rope_dims = 0, bool rope_traditional = false)
       : mx::Primitive(stream), group_(group), bits_(bits), splits_(std::move(splits)),
         has_bias_(std::move(has_bias)), swiglu_(swiglu), residual_(residual), norm_(norm),
-        norm_eps_(norm_eps), shapes_(std::move(shapes)) {}
+        norm_eps_(norm_eps), shapes_(std::move(shapes)), rope_outputs_(rope_outputs),
+        rope_dims_(rope_dims), rope_traditional_(rope_traditional) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) afm_cpu::allocate(o);
@@ -681,7 +687,9 @@ class AfmQuantizedMatmul : public mx::Primitive {
     afm_cpu::dispatch(stream(), inputs, outputs,
                       [in = std::move(weak_in), out = std::move(weak_out), group = group_,
                        bits = bits_, splits = splits_, has_bias = has_bias_, swiglu = swiglu_,
-                       residual = residual_, norm = norm_, eps = norm_eps_]() mutable {
+                       residual = residual_, norm = norm_, eps = norm_eps_,
+                       rope_outputs = rope_outputs_, rope_dims = rope_dims_,
+                       rope_trad = rope_traditional_]() mutable {
                         // with a norm prologue, inputs[4] is its weight (the biases follow)
                         const float* rows = norm ? normed_rows(in[0], in[4], eps) : nullptr;
                         if (swiglu) {
@@ -690,6 +698,11 @@ class AfmQuantizedMatmul : public mx::Primitive {
                         } else {
                           run(in, out, group, bits, splits, has_bias, rows, norm ? 5 : 4);
                           if (residual) add_residual(in.back(), out[0]);
+                          // the rotary epilogue: the offset and frequencies are the last inputs
+                          const size_t k = in.size();
+                          for (int i = 0; i < rope_outputs; ++i) {
+                            afm_layer::rope_rows(out[i], in[k - 2], in[k - 1], out[i], rope_dims, rope_trad);
+                          }
                         }
                       });
   }
@@ -707,7 +720,8 @@ class AfmQuantizedMatmul : public mx::Primitive {
     return group_ == o.group_ && bits_ == o.bits_ && splits_ == o.splits_ &&
            has_bias_ == o.has_bias_ && swiglu_ == o.swiglu_ &&
            residual_ == o.residual_ && norm_ == o.norm_ && norm_eps_ == o.norm_eps_ &&
-           shapes_ == o.shapes_;
+           shapes_ == o.shapes_ && rope_outputs_ == o.rope_outputs_ && rope_dims_ == o.rope_dims_ &&
+           rope_traditional_ == o.rope_traditional_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -775,6 +789,8 @@ class AfmQuantizedMatmul : public mx::Primitive {
   bool swiglu_, residual_, norm_;
   float norm_eps_;
   std::vector<mx::Shape> shapes_;  // the outputs' shapes, when not x's with the split's width
+  int rope_outputs_, rope_dims_;   // the first rope_outputs outputs get the rotary embedding
+  bool rope_traditional_;
 };
 
 // The checks every product makes of its operands; the CPU stream it runs on.
@@ -827,7 +843,11 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
                                               const std::vector<std::optional<mx::array>>& bias,
                                               const std::optional<mx::array>& norm_weight,
                                               float norm_eps,
-                                              const std::vector<std::vector<int>>& out_shapes) {
+                                              const std::vector<std::vector<int>>& out_shapes,
+                                              const std::optional<mx::array>& rope_offset,
+                                              const std::optional<mx::array>& rope_freqs,
+                                              int rope_dims, bool rope_traditional,
+                                              int rope_outputs) {
   const mx::Stream stream = checked_stream(x, w, scales, biases, group_size, bits);
   check_norm(x, norm_weight);
   const int N = w.shape(0);
@@ -876,11 +896,37 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
     }
     shapes = custom;
   }
+  if (rope_outputs > 0) {  // rope_decode of outputs 0 .. rope_outputs - 1, in place
+    if (!rope_offset.has_value() || !rope_freqs.has_value() || out_type != mx::float32 ||
+        rope_outputs > static_cast<int>(splits.size())) {
+      throw std::invalid_argument(
+          "afm qmm: a rotary epilogue needs float32 x, rope_offset, rope_freqs and that many outputs");
+    }
+    const mx::array& offset = *rope_offset;
+    const mx::array& freqs = *rope_freqs;
+    for (int i = 0; i < rope_outputs; ++i) {
+      const mx::Shape& sh = shapes[i];
+      const mx::Dtype t = offset.dtype();
+      if (sh.size() != 4 || freqs.ndim() != 1 || freqs.shape(0) != sh[3] ||
+          freqs.dtype() != mx::float32 || rope_dims < 0 || rope_dims > sh[3] || rope_dims % 2 != 0 ||
+          !(offset.ndim() == 0 || (offset.ndim() == 1 && offset.shape(0) == sh[0])) ||
+          !(t == mx::int32 || t == mx::int64 || t == mx::uint32 || t == mx::float32)) {
+        throw std::invalid_argument(
+            "afm qmm: a rotary epilogue's outputs must be (B, H, L, D), freqs float32 (D,), dims "
+            "even and at most D, the offset a scalar or (B,) integer or float32 array");
+      }
+    }
+    inputs.push_back(offset);
+    inputs.push_back(freqs);
+  } else {
+    rope_outputs = 0;
+  }
   std::vector<mx::Dtype> dtypes(splits.size(), out_type);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<AfmQuantizedMatmul>(stream, group_size, bits, splits, has_bias, false, false,
-                                           norm_weight.has_value(), norm_eps, std::move(custom)),
+                                           norm_weight.has_value(), norm_eps, std::move(custom),
+                                           rope_outputs, rope_dims, rope_traditional),
       inputs);
 }
 
@@ -911,7 +957,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& residual) {
   mx::array y =
-      quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias}, std::nullopt, 0.0f, {})[0];
+      quantized_matmul_split(x, w, scales, biases, group_size, bits, {}, {bias}, std::nullopt, 0.0f, {},
+                             std::nullopt, std::nullopt, 0, false, 0)[0];
   if (!residual.has_value()) return y;
   // the same product with the residual added in its epilogue
   if (x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
@@ -1150,11 +1197,15 @@ NB_MODULE(qmm_ext, m) {
   m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
         "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
-        "shapes"_a = std::vector<std::vector<int>>{},
+        "shapes"_a = std::vector<std::vector<int>>{}, "rope_offset"_a = nb::none(),
+        "rope_freqs"_a = nb::none(), "rope_dims"_a = 0, "rope_traditional"_a = false,
+        "rope_outputs"_a = 0,
         "quantized_matmul as one array per split: output i is the next splits[i] columns of "
         "the product, plus bias[i] where it is not None (1-D, x's dtype); with norm_weight, "
         "of rms_norm(x, norm_weight, norm_eps) (float32): the bits of rms_norm's output; "
-        "shapes: each output's shape (its elements in the same order)");
+        "shapes: each output's shape (its elements in the same order); rope_outputs > 0: "
+        "the first rope_outputs outputs (float32, shaped (B, H, L, D)) get rope_decode(out, "
+        "rope_offset, rope_freqs, rope_dims, rope_traditional) in the same operation (its bits)");
   m.def("quantized_matmul_swiglu", &afm_qmm::quantized_matmul_swiglu, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,
         "silu(x @ gate.T) * (x @ up.T) for w = gate's rows then up's (a SwiGLU MLP's grouped "

@@ -12,6 +12,8 @@ the largest output here.
 from __future__ import annotations
 
 import math
+import re
+import tempfile
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,6 +125,48 @@ def test_rope_pair_is_two_rope_calls(traditional, offset):
     assert layer.pair(q, k[:, :, :, :32], at) is None
     with pytest.raises(ValueError, match="offset"):
         ext.rope_decode_pair(q, k, mx.array([1, 2]), freqs, dims, traditional)
+
+
+@needs_ext
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("offset", [37, "rows"])
+@pytest.mark.parametrize("prologue", [False, True])
+def test_rope_in_the_product_epilogue_is_rope_pair(traditional, offset, prologue):
+    """A q/k/v family's product with the rotary embedding of its first two
+    outputs in its epilogue (``quantized_matmul_split``'s ``rope_*``): the
+    bits of the product, then ``rope_decode_pair`` of its queries and keys;
+    the values and biases as without it; with the norm in the prologue too."""
+    rows, heads, kv_heads, head_dim, dims, k_dim = 3, 6, 2, 64, 48, 256
+    freqs = _freqs(dims, head_dim, traditional)
+    mx.random.seed(11)
+    splits = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    w, scales, biases = mx.quantize(mx.random.normal((sum(splits), k_dim)) * 0.05, group_size=32, bits=4)
+    x = mx.random.normal((rows, 1, k_dim))
+    bias = [mx.random.normal((n,)) for n in splits]  # (qwen2's q/k/v biases)
+    norm = (mx.random.normal((k_dim,)) + 1.0, 1e-6) if prologue else (None, 0.0)
+    shapes = [[rows, h, 1, head_dim] for h in (heads, kv_heads, kv_heads)]
+    at = mx.array(offset, dtype=mx.int32) if isinstance(offset, int) else mx.array([0, 37, 4099])
+    mx.eval(w, scales, biases, x, bias, freqs, at, *norm[:1])
+    plain = ext.quantized_matmul_split(x, w, scales, biases, 32, 4, splits, bias, *norm, shapes)
+    got = ext.quantized_matmul_split(x, w, scales, biases, 32, 4, splits, bias, *norm, shapes,
+                                     at, freqs, dims, traditional, 2)
+    want = [*ext.rope_decode_pair(plain[0], plain[1], at, freqs, dims, traditional), plain[2]]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *got)
+        operations = re.findall(r'label ?= ?"([A-Za-z][^"]*)", shape=rectangle', f.read())
+    assert operations == ["AfmQuantizedMatmul"]  # one operation
+    for g, r in zip(got, want, strict=True):
+        assert g.shape == r.shape
+        np.testing.assert_array_equal(np.array(g), np.array(r))
+    with pytest.raises(ValueError, match="rotary"):  # the outputs must be heads
+        ext.quantized_matmul_split(x, w, scales, biases, 32, 4, splits, bias, *norm, [],
+                                   at, freqs, dims, traditional, 2)
+    with pytest.raises(ValueError, match="rotary"):
+        ext.quantized_matmul_split(x, w, scales, biases, 32, 4, splits, bias, *norm, shapes,
+                                   mx.array([1, 2]), freqs, dims, traditional, 2)
+    with pytest.raises(ValueError, match="rotary"):
+        ext.quantized_matmul_split(x, w, scales, biases, 32, 4, splits, bias, *norm, shapes,
+                                   at, freqs, 7, traditional, 2)
 
 
 @needs_ext
