@@ -120,7 +120,7 @@ def token_pieces(ids: list[int], tokenizer: TokenizerWrapper, tables: DecoderTab
         kind = tables.kinds[i] if i < len(tables.kinds) else None
         if kind == BYTE:
             return bytes((tables.bytevals[i],))
-        if kind in (TEXT, RAW) and tables.mode == "byte_level":
+        if kind == RAW:  # (byte_level: a TEXT token's bytes are its text's UTF-8, below)
             raw = tables.raws[i]
             assert raw is not None
             return raw

@@ -89,10 +89,16 @@ int env_int(const char* name, int fallback) {
 }
 
 // Workers sleep on a condition variable between jobs; AFM_QMM_SPIN_US makes
-// them spin that long first.  Default 0: on the default model's decode step
-// (benchmarks/decode_step.py, 2 cores) spinning 300 us made each product
-// faster (10.7 vs 13-15 ms for all of them) but the step slower (29.8 vs
-// 22.5-24.9 ms), the spinning worker taking the core MLX's own thread needs.
+// them spin that long first.  Default 30: long enough to span the gap to the
+// next product of a decode step's layer (a few operations apart), short
+// enough to sleep between steps.  With the 100k-work threshold below, on the
+// default model's single-stream decode (benchmarks/decode_served.py, 10
+// rounds alternating, an AVX2-only 2-core EPYC) 64.9-65.1 tok/s against
+// 59.0 with neither, 65.2 against 59.6 with the spin alone; Qwen2.5-Coder-1.5B
+// (every product above both thresholds) 14.1 against 14.2, and the default
+// model under two CPU-bound processes 30.6 against 31.0: no change.  (300 us
+// had made an AVX-512 machine's step slower, the spinning worker taking the
+// core MLX's own thread needs.)
 //
 // A job is split into chunks that the caller and the woken workers claim from
 // one counter.  The caller starts on the chunks at once, so a worker that
@@ -102,7 +108,7 @@ int env_int(const char* name, int fallback) {
 class Pool {
  public:
   explicit Pool(int threads) : size_(threads < 1 ? 1 : threads) {
-    spin_us_.store(env_int("AFM_QMM_SPIN_US", 0));
+    spin_us_.store(env_int("AFM_QMM_SPIN_US", 30));
     for (int i = 1; i < size_; ++i) std::thread([this, i] { work(i); }).detach();
   }
   int size() const { return size_; }
@@ -514,13 +520,15 @@ void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
   const KernelSet& ks_set = kernels();
 
   Pool& p = pool();
-  // Below a million multiply-adds (AFM_QMM_POOL_MIN_WORK) a hand-off costs
-  // more than it saves: waking a worker takes tens of microseconds, and at
-  // decode the other core has MLX's own thread to run.  On the default model's
-  // one-row products (benchmarks/decode_served.py, alternating, 8 rounds):
-  // 75.2 tok/s against 73.3 at the old 200k; its attention (0.33M), q/k/v
-  // (0.55M) and MLP-down (0.88M) products each ran 10-25% faster alone.
-  static const int min_work = env_int("AFM_QMM_POOL_MIN_WORK", 1000000);
+  // Below 100k multiply-adds (AFM_QMM_POOL_MIN_WORK) a hand-off costs more
+  // than it saves.  With workers that sleep at once, waking one takes tens
+  // of microseconds, as long as a decode-size product, and a million was the
+  // threshold (an AVX-512 machine: 75.2 tok/s against 73.3 at 200k).  With
+  // the short spin above, the default model's q/k/v (0.55M), output (0.33M)
+  // and MLP-down (0.88M) products of one row split in two too (alone, with a
+  // spinning worker: 48 -> 34, 31 -> 25 and 73 -> 37 us); the step: see the
+  // spin's comment.
+  static const int min_work = env_int("AFM_QMM_POOL_MIN_WORK", 100000);
   int threads = pool_threads(p, static_cast<double>(M) * N * K, min_work);
   if (threads > N) threads = N;
 
