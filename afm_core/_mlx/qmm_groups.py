@@ -120,13 +120,10 @@ class _Group:
         assert ext is not None
         weight, eps = norm if norm is not None else (None, 0.0)
         biases = [_qmm.fused_bias(layer, x) for layer in self.members]
-        if rope is not None:
-            offset, freqs, dims, traditional = rope
-            return list(ext.quantized_matmul_split(
-                x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.splits, biases,
-                weight, eps, shapes or [], offset, freqs, dims, traditional, 2))
+        offset, freqs, dims, traditional = rope if rope is not None else (None, None, 0, False)
         outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases, self.group_size,
-                                          self.bits, self.splits, biases, weight, eps, shapes or [])
+                                          self.bits, self.splits, biases, weight, eps, shapes or [],
+                                          offset, freqs, dims, traditional, 0 if rope is None else 2)
         for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
             if "bias" in layer and bias is None:  # a bias the product cannot add
                 outs[i] = outs[i] + layer["bias"]
