@@ -52,7 +52,7 @@ of its buffers that mlx-lm's ``keys_and_values`` would return, in place
 the rotation left them: the arrays mlx-lm's attention reads, and its mask).
 In a batch whose sliding layers share the first one's offset
 (:func:`.batch.share_offsets`), the others write while their windows fill
-without mlx-lm's ``mx.depends`` on their own offset (:func:`_rotating_write`):
+without mlx-lm's ``mx.depends`` on their own offset (:func:`rotating_write`):
 three operations fewer each.
 Its block norms each sublayer's output too, before the residual
 (``clip_residual``, an addition in float32), so the residuals stay
@@ -81,10 +81,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as _cache
 
-from . import activations, attention, half_cache
-from . import qmatmul as _qmm
+from . import activations, attention
 from .batch import shares_offset
+from .decode_plan import planned_block
 from .fusion import _FusedRoPE, one_operation_norm
+from .kv_update import filled_positions, rotating_write, update_and_fetch
 from .qmatmul import residual_product
 from .qmm_groups import _GroupedQuantizedLinear, family_outputs, family_swiglu, layer_outputs
 from .reference_ops import kernels_allowed
@@ -95,76 +96,6 @@ NO_DECODE_LAYOUT_ENV = "AFM_NO_DECODE_LAYOUT"
 
 _QKV_NORMED = ("mlx_lm.models.qwen3", "mlx_lm.models.gemma3_text")
 """The architectures whose attention norms each head's query and key."""
-
-
-def update_and_fetch(cache: Any, keys: mx.array, values: mx.array, *, fetch: bool = True) -> Any:
-    """``cache.update_and_fetch(keys, values)``; for a float16 cache
-    (:mod:`.half_cache`) with room for them, each buffer's cast and slice
-    update as one operation (``qmm_ext.kv_write``: the same float16 values,
-    written in place when nothing else holds the buffer, as a slice update
-    writes it).  ``fetch`` False: that path returns None instead of the
-    slices of the buffers (the caller reads the buffers in place)."""
-    ext = _qmm.extension()
-    batch = type(cache) is half_cache.BatchKVCache
-    if (ext is None or not (batch or type(cache) is half_cache.KVCache) or cache.keys is None
-            or keys.dtype != mx.float32 or values.dtype != mx.float32):
-        return cache.update_and_fetch(keys, values)
-    n = keys.shape[2]
-    prev = cache._idx if batch else cache.offset
-    if prev + n > cache.keys.shape[2]:
-        return cache.update_and_fetch(keys, values)  # (it grows the buffers)
-    ext.kv_write(cache.keys, keys, prev)  # (the array objects change, as with `a[...] = x`)
-    ext.kv_write(cache.values, values, prev)
-    if batch:
-        cache.offset = cache.offset + n
-        cache._idx += n
-    else:
-        cache.offset += n
-    return cache.keys_and_values() if fetch else None
-
-
-_PLAIN_SINGLE = (_cache.KVCache, half_cache.KVCache)
-_PLAIN_BATCH = (_cache.BatchKVCache, half_cache.BatchKVCache)
-
-
-def _rotating_write(cache: Any, keys: mx.array, values: mx.array) -> bool:
-    """mlx-lm's ``BatchRotatingKVCache`` update by one position where it only
-    writes at its index and advances (no growth, trim or rotation: else
-    False, and mlx-lm's update runs), without the ``mx.depends`` that ties
-    the layer's new ``offset`` to its keys, for a layer whose offset
-    :func:`.batch.share_offsets` shares with the batch's first rotating
-    layer: the addition is then dropped unevaluated at the next share (the
-    first layer's, the same values, is read), three operations fewer."""
-    size = cache.keys.shape[2] if cache.keys is not None else 0
-    if (keys.shape[2] != 1 or cache._lengths is not None or cache.rotated or not size
-            or size > cache.max_size or cache._idx >= cache.max_size
-            or (cache._offset >= size and size < cache.max_size)):
-        return False
-    i = cache._idx
-    cache.keys[..., i:i + 1, :] = keys
-    cache.values[..., i:i + 1, :] = values
-    cache._offset += 1
-    cache.offset = cache.offset + 1
-    cache._idx += 1
-    return True
-
-
-def _filled(cache: Any) -> int | None:
-    """The positions a plain KV cache (mlx-lm's or :mod:`.half_cache`'s)
-    holds, the first of its buffers; for mlx-lm's rotating caches after an
-    update, the first positions of its buffers its ``keys_and_values``
-    returns (a slice of them until the window is full, then the whole
-    buffers, in the order the rotation left them); None for other caches."""
-    kind = type(cache)
-    if kind in _PLAIN_BATCH:
-        return int(cache._idx)
-    if kind in _PLAIN_SINGLE:
-        return int(cache.offset)
-    if kind is _cache.RotatingKVCache:
-        return min(int(cache.offset), int(cache.keys.shape[2]))
-    if kind is _cache.BatchRotatingKVCache:
-        return min(int(cache._offset), int(cache.keys.shape[2]))
-    return None
 
 
 def _norm_args(norm: Any, x: mx.array) -> tuple[mx.array, float] | None:
@@ -246,11 +177,11 @@ def _attention_layout(base: type) -> type:
                 queries, keys = self.q_norm(queries), self.k_norm(keys)
             queries, keys = _embed_positions(self.rope, queries, keys, cache.offset)
         if type(cache) is _cache.BatchRotatingKVCache and shares_offset(cache) \
-                and _rotating_write(cache, keys, values):
+                and rotating_write(cache, keys, values):
             fetched = None
         else:
             fetched = update_and_fetch(cache, keys, values, fetch=False)
-        filled = _filled(cache)
+        filled = filled_positions(cache)
         if filled is not None and module.scaled_dot_product_attention is attention.scaled_dot_product_attention:
             # the cache's buffers read in place, the output in (B, 1, H x D)
             merged = attention.decode_heads(queries, cache.keys, cache.values, filled, cache, self.scale, mask)
@@ -297,12 +228,17 @@ def _block_layout(base: type) -> type:
     def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if x.shape[1] != 1 or cache is None:
             return base.__call__(self, x, mask=mask, cache=cache)  # type: ignore[no-any-return]
+        if planned:
+            out = planned_block(self, x, mask, cache)
+            if out is not None:
+                return out
         attn = self.self_attn
         h = residual_product(attn.o_proj, attn.attend(x, mask, cache, self.input_layernorm), x)
         act = _activation(self.mlp, self.post_attention_layernorm, h, module.swiglu)
         return residual_product(self.mlp.down_proj, act, h)
 
     module = sys.modules[base.__module__]
+    planned = base.__module__ not in _QKV_NORMED  # (:mod:`.decode_plan`: llama and qwen2)
     return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
                                          "__qualname__": f"DecodeLayout.{base.__qualname__}"})
 
