@@ -27,14 +27,16 @@ modules needs no new plan.
 
 from __future__ import annotations
 
+import operator
 import sys
+import threading
 from typing import Any
 
 import mlx.core as mx
 
 from . import activations, attention, half_cache
 from . import qmatmul as _qmm
-from .fusion import _FusedRoPE, one_operation_norm
+from .fusion import _ROPE_OFFSET_TYPES, RopeEpilogue, _FusedRoPE, one_operation_norm
 from .kv_update import update_and_fetch
 from .qmatmul import _FastQuantizedLinear
 from .qmm_groups import _Group, _GroupedQuantizedLinear
@@ -51,8 +53,8 @@ class Plan:
     steps: its submodules (and their classes), the q/k/v and gate/up
     families, the heads' shapes and the rotary embedding."""
 
-    __slots__ = ("attn", "down", "gate", "heads", "in_norm", "mlp", "o_proj", "parts", "post_norm",
-                 "qkv", "rope", "scale", "swiglu", "up", "width")
+    __slots__ = ("attn", "classes", "down", "gate", "head_dim", "heads", "in_norm", "mlp", "o_proj", "parts",
+                 "post_norm", "qkv", "rope", "rope_args", "scale", "swiglu", "up", "width")
 
     def __init__(self, block: Any) -> None:
         self.attn, self.mlp = block["self_attn"], block["mlp"]
@@ -68,18 +70,25 @@ class Plan:
         self.width = int(self.o_proj["weight"].shape[0])
         # every object the plan reads and its class (afm swaps classes in
         # place: fusion, families), checked at each call
-        parts = ((block, "self_attn", attn), (block, "mlp", mlp), (block, "input_layernorm", self.in_norm),
-                 (block, "post_attention_layernorm", self.post_norm), (attn, "q_proj", q),
-                 (attn, "k_proj", attn["k_proj"]), (attn, "v_proj", attn["v_proj"]),
-                 (attn, "o_proj", self.o_proj), (attn, "rope", self.rope), (mlp, "gate_proj", self.gate),
-                 (mlp, "up_proj", self.up), (mlp, "down_proj", self.down))
-        self.parts = tuple((parent, key, part, type(part)) for parent, key, part in parts)
+        self.parts = (attn, mlp, self.in_norm, self.post_norm, q, attn["k_proj"], attn["v_proj"],
+                      self.o_proj, self.rope, self.gate, self.up, self.down)
+        self.classes = tuple(map(type, self.parts))
+        self.head_dim = self.qkv.splits[0] // self.heads[0]
+        # (its frequencies, dims and traditional; the offset is each step's)
+        self.rope_args: RopeEpilogue | None = self.rope.epilogue(1, self.head_dim, 0)
 
-    def holds(self) -> bool:
-        """Whether the block still holds the planned submodules, of their
+    def holds(self, block: Any) -> bool:
+        """Whether ``block`` still holds the planned submodules, of their
         planned classes, in the planned families."""
-        return (all(parent.get(key) is part and type(part) is cls for parent, key, part, cls in self.parts)
-                and self.parts[4][2]._group is self.qkv and self.gate._group is self.swiglu)
+        attn, mlp = block.get("self_attn"), block.get("mlp")
+        if attn is None or mlp is None:
+            return False
+        parts = (attn, mlp, block.get("input_layernorm"), block.get("post_attention_layernorm"), attn.get("q_proj"),
+                 attn.get("k_proj"), attn.get("v_proj"), attn.get("o_proj"), attn.get("rope"),
+                 mlp.get("gate_proj"), mlp.get("up_proj"), mlp.get("down_proj"))
+        return (all(map(operator.is_, parts, self.parts))
+                and tuple(map(type, parts)) == self.classes
+                and parts[4]._group is self.qkv and parts[9]._group is self.swiglu)
 
 
 def _make_plan(block: Any) -> Plan | None:
@@ -108,7 +117,7 @@ def _make_plan(block: Any) -> Plan | None:
     if group.splits[0] // heads[0] != group.splits[1] // heads[1]:
         return None  # (the epilogue embeds queries and keys of one head size)
     plan = Plan(block)
-    if plan.width != int(plan.down["weight"].shape[0]):
+    if plan.width != int(plan.down["weight"].shape[0]) or plan.rope_args is None:
         return None
     return plan
 
@@ -121,6 +130,30 @@ def _bias(layer: Any) -> tuple[bool, mx.array | None]:
     return bias.dtype == mx.float32 and bias.ndim == 1, bias
 
 
+class _Offsets(threading.local):
+    """The last int offset a thread's plans embedded, as the array the
+    rotary epilogue reads (every layer of a step has the same: one array)."""
+
+    value: int | None = None
+    array: mx.array | None = None
+
+
+_offsets = _Offsets()
+
+
+def _rope_offset(offset: Any, rows: int) -> mx.array | None:
+    """A cache's offset as the rotary epilogue's (``_FusedRoPE.epilogue``'s
+    rules: an int, or an array of one value or one per row), or None."""
+    if isinstance(offset, int):
+        if _offsets.value != offset:
+            _offsets.array, _offsets.value = mx.array(offset, dtype=mx.int32), offset
+        return _offsets.array
+    if (isinstance(offset, mx.array) and offset.dtype in _ROPE_OFFSET_TYPES
+            and (offset.ndim == 0 or offset.shape == (rows,))):
+        return offset
+    return None
+
+
 def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | None:
     """``block(x, mask, cache)`` at one position per row as the six
     operations of :mod:`.decode_layout`'s block, by its plan (made at the
@@ -130,7 +163,7 @@ def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | 
     if plan is None:
         plan = _make_plan(block) or _NO_PLAN
         object.__setattr__(block, _PLAN, plan)
-    if plan is _NO_PLAN or not plan.holds():
+    if plan is _NO_PLAN or not plan.holds(block):
         return None
     ext = _qmm.extension()
     kind = type(cache)
@@ -160,16 +193,17 @@ def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | 
     if not (o_fits and down_fits and all(fits for fits, _ in biases)):
         return None
     rows = x.shape[0]
-    head_dim = qkv.splits[0] // plan.heads[0]
-    rope = plan.rope.epilogue(rows, head_dim, cache.offset)
-    if rope is None:
+    offset = _rope_offset(cache.offset, rows)
+    if offset is None:
         return None
     shapes = [(rows, h, 1, n // h) for n, h in zip(qkv.splits, plan.heads, strict=True)]
 
+    rope = plan.rope_args
+    assert rope is not None  # (_make_plan)
     queries, keys, values = ext.quantized_matmul_split(
         x, qkv.weight, qkv.scales, qkv.biases, qkv.group_size, qkv.bits, qkv.splits,
-        [bias for _, bias in biases], in_norm[0], in_norm[1], shapes,
-        rope.offset, rope.freqs, rope.dims, rope.traditional, 2)
+        [bias for _, bias in biases], in_norm[0], in_norm[1], shapes, offset, rope.freqs, rope.dims,
+        rope.traditional, 2)
     update_and_fetch(cache, keys, values, fetch=False)  # (its one-operation writes: checked above)
     filled = cache._idx if batch else cache.offset
     causal = isinstance(mask, str)

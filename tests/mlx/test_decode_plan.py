@@ -4,6 +4,7 @@ having done nothing, wherever the block's general call must decide."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -18,10 +19,22 @@ from tests.mlx.test_decode_layout import cache_of, decode, needs_ext, tiny
 pytestmark = needs_ext
 
 
-def planned_model(kind: str) -> Any:
-    model = tiny(kind, quantized=True)
-    fusion.fuse_cpu_kernels(model, transpose=False)
-    return model
+@pytest.fixture
+def planned_model() -> Iterator[Callable[[str], Any]]:
+    """Tiny quantized models with afm's CPU kernels (decode layouts, their
+    plans), unfused after the test: fusion rebinds functions of mlx-lm's
+    modules that other tests' models call."""
+    made: list[Any] = []
+
+    def make(kind: str) -> Any:
+        model = tiny(kind, quantized=True)
+        fusion.fuse_cpu_kernels(model, transpose=False)
+        made.append(model)
+        return model
+
+    yield make
+    for model in made:
+        fusion.unfuse_cpu_kernels(model)
 
 
 class Spy:
@@ -50,7 +63,7 @@ def unplanned(model: Any) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_the_plan_makes_the_layouts_operations_with_their_bits(kind: str, rows: int,
+def test_the_plan_makes_the_layouts_operations_with_their_bits(kind: str, rows: int, planned_model: Any,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every decode step of every layer through the plan (qwen2: with the
     q/k/v biases), the same logits bit for bit and the same operations as
@@ -67,7 +80,7 @@ def test_the_plan_makes_the_layouts_operations_with_their_bits(kind: str, rows: 
         assert np.array_equal(a, b)
 
 
-def test_a_changed_block_is_decided_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_changed_block_is_decided_again(planned_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A submodule replaced (an output product of mlx-lm's own class) or an
     afm class taken back in place (a norm unfused): the plan steps aside
     and the block's general call decides (the bits of a model never planned,
@@ -96,7 +109,7 @@ def test_a_changed_block_is_decided_again(monkeypatch: pytest.MonkeyPatch) -> No
         assert np.array_equal(a, b)
 
 
-def test_a_cache_without_room_is_left_to_mlx_lm(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_without_room_is_left_to_mlx_lm(planned_model: Any) -> None:
     """A float16 cache whose buffers are full (mlx-lm's update grows them)
     and a cache of another kind (mlx-lm's float32 one): the plan declines
     before writing anything."""
@@ -113,7 +126,7 @@ def test_a_cache_without_room_is_left_to_mlx_lm(monkeypatch: pytest.MonkeyPatch)
     assert decode_plan.planned_block(block, x, None, cache_of(model, 1)[0]) is None
 
 
-def test_qwen3_blocks_are_not_planned() -> None:
+def test_qwen3_blocks_are_not_planned(planned_model: Any) -> None:
     """qwen3 norms each head's query and key between the product and the
     rotary embedding: its blocks keep the layout's general call."""
     model = planned_model("qwen3")
