@@ -40,7 +40,9 @@ position per row, make several that compute nothing:
   (``qmm_groups.layer_outputs``).
 
 A layer's decode is then 7 operations (the default model's step: 270
-instead of 897).
+instead of 897).  A llama or qwen2 block makes them from a plan made at its
+first decode step (:mod:`.decode_plan`: the same calls without deciding
+them again each step), where the plan's checks pass.
 
 Gemma 3's attention is qwen3's (norms of each head's query and key) on two
 kinds of cache: its global layers' plain one, and its sliding-window
