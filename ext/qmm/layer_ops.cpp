@@ -66,6 +66,9 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 
 namespace afm_layer {
+// rope_decode's checks of its arguments for an x of `shape` (below; also qmm_ext's rotary epilogue)
+void check_rope_shape(const mx::Shape& shape, const mx::array& offset, const mx::array& freqs, int dims);
+
 namespace {
 
 // Element offset of row r (all axes but the last) of a.
@@ -423,21 +426,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
 }
 
 void check_rope(const mx::array& x, const mx::array& offset, const mx::array& freqs, int dims) {
-  if (x.ndim() != 4 || x.dtype() != mx::float32) {
-    throw std::invalid_argument("afm rope: x must be float32 (B, H, L, D)");
-  }
-  if (freqs.ndim() != 1 || freqs.shape(0) != x.shape(3) || freqs.dtype() != mx::float32) {
-    throw std::invalid_argument("afm rope: freqs must be float32 (D,)");
-  }
-  if (dims < 0 || dims > x.shape(3) || dims % 2 != 0) {
-    throw std::invalid_argument("afm rope: dims must be even and at most D");
-  }
-  const bool shape_ok = offset.ndim() == 0 || (offset.ndim() == 1 && offset.shape(0) == x.shape(0));
-  const mx::Dtype t = offset.dtype();
-  if (!shape_ok || !(t == mx::int32 || t == mx::int64 || t == mx::uint32 || t == mx::float32)) {
-    throw std::invalid_argument(
-        "afm rope: offset must be a scalar or (B,) array of int32, int64, uint32 or float32");
-  }
+  if (x.dtype() != mx::float32) throw std::invalid_argument("afm rope: x must be float32 (B, H, L, D)");
+  check_rope_shape(x.shape(), offset, freqs, dims);
 }
 
 mx::array rope_decode(const mx::array& x, const mx::array& offset, const mx::array& freqs,
@@ -495,6 +485,22 @@ void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps
 void rope_rows(const mx::array& x, const mx::array& offset, const mx::array& freqs, mx::array& out,
                int dims, bool traditional) {
   rope_compute(x, offset, freqs, out, dims, traditional);
+}
+
+void check_rope_shape(const mx::Shape& shape, const mx::array& offset, const mx::array& freqs, int dims) {
+  if (shape.size() != 4) throw std::invalid_argument("afm rope: x must be float32 (B, H, L, D)");
+  if (freqs.ndim() != 1 || freqs.shape(0) != shape[3] || freqs.dtype() != mx::float32) {
+    throw std::invalid_argument("afm rope: freqs must be float32 (D,)");
+  }
+  if (dims < 0 || dims > shape[3] || dims % 2 != 0) {
+    throw std::invalid_argument("afm rope: dims must be even and at most D");
+  }
+  const bool shape_ok = offset.ndim() == 0 || (offset.ndim() == 1 && offset.shape(0) == shape[0]);
+  const mx::Dtype t = offset.dtype();
+  if (!shape_ok || !(t == mx::int32 || t == mx::int64 || t == mx::uint32 || t == mx::float32)) {
+    throw std::invalid_argument(
+        "afm rope: offset must be a scalar or (B,) array of int32, int64, uint32 or float32");
+  }
 }
 
 void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {

@@ -69,6 +69,8 @@ void rms_norm_rows(const mx::array& x, const mx::array& w, float* out, float eps
 // be x itself when x is row-contiguous), as that operation computes it.
 void rope_rows(const mx::array& x, const mx::array& offset, const mx::array& freqs, mx::array& out,
                int dims, bool traditional);
+// rope_decode's checks of its arguments for an x of `shape` (float32): std::invalid_argument
+void check_rope_shape(const mx::Shape& shape, const mx::array& offset, const mx::array& freqs, int dims);
 }
 
 namespace afm_qmm {
@@ -913,15 +915,11 @@ std::vector<mx::array> quantized_matmul_split(const mx::array& x, const mx::arra
     const mx::array& offset = *rope_offset;
     const mx::array& freqs = *rope_freqs;
     for (int i = 0; i < rope_outputs; ++i) {
-      const mx::Shape& sh = shapes[i];
-      const mx::Dtype t = offset.dtype();
-      if (sh.size() != 4 || freqs.ndim() != 1 || freqs.shape(0) != sh[3] ||
-          freqs.dtype() != mx::float32 || rope_dims < 0 || rope_dims > sh[3] || rope_dims % 2 != 0 ||
-          !(offset.ndim() == 0 || (offset.ndim() == 1 && offset.shape(0) == sh[0])) ||
-          !(t == mx::int32 || t == mx::int64 || t == mx::uint32 || t == mx::float32)) {
-        throw std::invalid_argument(
-            "afm qmm: a rotary epilogue's outputs must be (B, H, L, D), freqs float32 (D,), dims "
-            "even and at most D, the offset a scalar or (B,) integer or float32 array");
+      try {
+        afm_layer::check_rope_shape(shapes[i], offset, freqs, rope_dims);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("afm qmm: the rotary epilogue of output " + std::to_string(i) + ": " +
+                                    e.what());
       }
     }
     inputs.push_back(offset);
