@@ -38,7 +38,7 @@ from . import activations, attention, half_cache
 from . import qmatmul as _qmm
 from .fusion import _ROPE_OFFSET_TYPES, RopeEpilogue, _FusedRoPE, one_operation_norm
 from .kv_update import update_and_fetch
-from .qmatmul import _FastQuantizedLinear
+from .qmatmul import _FastQuantizedLinear, fused_bias
 from .qmm_groups import _Group, _GroupedQuantizedLinear
 from .reference_ops import kernels_allowed
 
@@ -53,17 +53,16 @@ class Plan:
     steps: its submodules (and their classes), the q/k/v and gate/up
     families, the heads' shapes and the rotary embedding."""
 
-    __slots__ = ("attn", "classes", "down", "gate", "head_dim", "heads", "in_norm", "mlp", "o_proj", "parts",
-                 "post_norm", "qkv", "rope", "rope_args", "scale", "swiglu", "up", "width")
+    __slots__ = ("classes", "down", "heads", "in_norm", "o_proj", "parts", "post_norm", "qkv", "rope",
+                 "rope_args", "scale", "swiglu", "width")
 
     def __init__(self, block: Any) -> None:
-        self.attn, self.mlp = block["self_attn"], block["mlp"]
+        attn, mlp = block["self_attn"], block["mlp"]
         self.in_norm, self.post_norm = block["input_layernorm"], block["post_attention_layernorm"]
-        attn, mlp = self.attn, self.mlp
-        self.o_proj, self.gate, self.up, self.down = attn["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]
-        q = attn["q_proj"]
+        self.o_proj, self.down = attn["o_proj"], mlp["down_proj"]
+        q, gate = attn["q_proj"], mlp["gate_proj"]
         self.qkv: _Group = q._group
-        self.swiglu: _Group = self.gate._group
+        self.swiglu: _Group = gate._group
         self.rope: _FusedRoPE = attn.rope
         self.heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
         self.scale = float(attn.scale)
@@ -71,11 +70,10 @@ class Plan:
         # every object the plan reads and its class (afm swaps classes in
         # place: fusion, families), checked at each call
         self.parts = (attn, mlp, self.in_norm, self.post_norm, q, attn["k_proj"], attn["v_proj"],
-                      self.o_proj, self.rope, self.gate, self.up, self.down)
+                      self.o_proj, self.rope, gate, mlp["up_proj"], self.down)
         self.classes = tuple(map(type, self.parts))
-        self.head_dim = self.qkv.splits[0] // self.heads[0]
         # (its frequencies, dims and traditional; the offset is each step's)
-        self.rope_args: RopeEpilogue | None = self.rope.epilogue(1, self.head_dim, 0)
+        self.rope_args: RopeEpilogue | None = self.rope.epilogue(1, self.qkv.splits[0] // self.heads[0], 0)
 
     def holds(self, block: Any) -> bool:
         """Whether ``block`` still holds the planned submodules, of their
@@ -122,12 +120,10 @@ def _make_plan(block: Any) -> Plan | None:
     return plan
 
 
-def _bias(layer: Any) -> tuple[bool, mx.array | None]:
-    """Whether the product can add ``layer``'s bias (float32, 1-D, or none), and the bias."""
-    bias = layer.get("bias")
-    if bias is None:
-        return True, None
-    return bias.dtype == mx.float32 and bias.ndim == 1, bias
+def _bias(layer: Any, x: mx.array) -> tuple[bool, mx.array | None]:
+    """Whether the product can add ``layer``'s bias (``fused_bias``), or it has none, and the bias."""
+    bias = fused_bias(layer, x)
+    return bias is not None or "bias" not in layer, bias
 
 
 class _Offsets(threading.local):
@@ -187,9 +183,9 @@ def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | 
     if in_norm is None or post_norm is None:
         return None
     qkv = plan.qkv
-    biases = [_bias(m) for m in qkv.members]
-    o_fits, o_bias = _bias(plan.o_proj)
-    down_fits, down_bias = _bias(plan.down)
+    biases = [_bias(m, x) for m in qkv.members]
+    o_fits, o_bias = _bias(plan.o_proj, x)
+    down_fits, down_bias = _bias(plan.down, x)
     if not (o_fits and down_fits and all(fits for fits, _ in biases)):
         return None
     rows = x.shape[0]
