@@ -38,7 +38,7 @@ from . import activations, attention, half_cache
 from . import qmatmul as _qmm
 from .fusion import _ROPE_OFFSET_TYPES, RopeEpilogue, _FusedRoPE, one_operation_norm
 from .kv_update import update_and_fetch
-from .qmatmul import _FastQuantizedLinear, fused_bias
+from .qmatmul import _FastQuantizedLinear, fused_bias, kernel_biases
 from .qmm_groups import _Group, _GroupedQuantizedLinear
 from .reference_ops import kernels_allowed
 
@@ -197,7 +197,7 @@ def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | 
     rope = plan.rope_args
     assert rope is not None  # (_make_plan)
     queries, keys, values = ext.quantized_matmul_split(
-        x, qkv.weight, qkv.scales, qkv.biases, qkv.group_size, qkv.bits, qkv.splits,
+        x, qkv.weight, qkv.scales, qkv.kernel_biases, qkv.group_size, qkv.bits, qkv.splits,
         [bias for _, bias in biases], in_norm[0], in_norm[1], shapes, offset, rope.freqs, rope.dims,
         rope.traditional, 2)
     update_and_fetch(cache, keys, values, fetch=False)  # (its one-operation writes: checked above)
@@ -207,9 +207,9 @@ def planned_block(block: Any, x: mx.array, mask: Any, cache: Any) -> mx.array | 
                                  None if causal else attention._scores_mask(mask, queries, filled),
                                  causal, filled, True)
     o = plan.o_proj
-    h = ext.quantized_matmul(heads, o["weight"], o["scales"], o["biases"], o.group_size, o.bits, o_bias, x)
+    h = ext.quantized_matmul(heads, o["weight"], o["scales"], kernel_biases(o), o.group_size, o.bits, o_bias, x)
     gu = plan.swiglu
-    act = ext.quantized_matmul_swiglu(h, gu.weight, gu.scales, gu.biases, gu.group_size, gu.bits,
+    act = ext.quantized_matmul_swiglu(h, gu.weight, gu.scales, gu.kernel_biases, gu.group_size, gu.bits,
                                       post_norm[0], post_norm[1])
     d = plan.down
-    return ext.quantized_matmul(act, d["weight"], d["scales"], d["biases"], d.group_size, d.bits, down_bias, h)
+    return ext.quantized_matmul(act, d["weight"], d["scales"], kernel_biases(d), d.group_size, d.bits, down_bias, h)

@@ -183,6 +183,51 @@ def fused_bias(layer: Any, x: mx.array) -> mx.array | None:
     return None
 
 
+_SYMMETRIC = "_afm_symmetric"
+
+
+def symmetric_factor(scales: mx.array, biases: mx.array, bits: int) -> mx.array | None:
+    """The kernels' 0-d ``biases`` argument for a symmetric weight, whose
+    every bias is exactly ``-2^(bits-1)`` times its group's scale (GGUF's
+    Q4_0, Q5_0, Q8_0, Q6_K and Q3_K as the conversion writes them), or None.
+    With it the kernels make each bias from the scale they read anyway (the
+    same float32 values), so a one-row product reads 2 bytes a group fewer:
+    6-10% of a 4-8 bit weight's bytes."""
+    c = -(1 << (bits - 1))
+    if biases.shape != scales.shape or biases.dtype != scales.dtype or scales.dtype not in _SCALE_TYPES:
+        return None
+    # the kernels' float32 c * scale against the biases as float32: equal, or not symmetric
+    if not mx.array_equal(biases.astype(mx.float32), scales.astype(mx.float32) * c).item():
+        return None
+    return mx.array(c, dtype=scales.dtype)
+
+
+def note_symmetric(layer: Any) -> bool:
+    """Note on a fast layer whether its weight is symmetric
+    (:func:`symmetric_factor`), for :func:`kernel_biases`; returns whether."""
+    scales, biases = layer["scales"], layer["biases"]
+    factor = symmetric_factor(scales, biases, int(layer.bits))
+    object.__setattr__(layer, _SYMMETRIC, (scales, biases, factor if factor is not None else biases))
+    return factor is not None
+
+
+def forget_symmetric(layer: Any) -> None:
+    layer.__dict__.pop(_SYMMETRIC, None)
+
+
+def kernel_biases(layer: Any) -> mx.array:
+    """The ``biases`` argument of ``layer``'s kernel calls: the factor
+    :func:`note_symmetric` found while the layer holds the scales and biases
+    it was noted with, else its biases (new weights drop the note)."""
+    biases = layer["biases"]
+    noted = layer.__dict__.get(_SYMMETRIC)
+    if noted is not None:
+        if noted[0] is layer["scales"] and noted[1] is biases:
+            return noted[2]  # type: ignore[no-any-return]
+        del layer.__dict__[_SYMMETRIC]
+    return biases  # type: ignore[no-any-return]
+
+
 class _FastQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose product runs on ``afm_core._mlx.qmm_ext``
     (its bias added by the same operation where the dtypes allow)."""
@@ -190,7 +235,7 @@ class _FastQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         assert _ext is not None
         bias = fused_bias(self, x)
-        y = _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+        y = _ext.quantized_matmul(x, self["weight"], self["scales"], kernel_biases(self),
                                   self.group_size, self.bits, bias)
         if "bias" in self and bias is None:
             y = y + self["bias"]
@@ -205,7 +250,7 @@ def residual_product(layer: Any, x: mx.array, residual: mx.array) -> mx.array:
     if type(layer) is _FastQuantizedLinear and _ext is not None and x.dtype == residual.dtype == mx.float32:
         bias = fused_bias(layer, x)
         if ("bias" not in layer or bias is not None) and residual.shape == (*x.shape[:-1], layer["weight"].shape[0]):
-            return _ext.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"],
+            return _ext.quantized_matmul(x, layer["weight"], layer["scales"], kernel_biases(layer),
                                          layer.group_size, layer.bits, bias, residual)
     return residual + layer(x)  # type: ignore[no-any-return]
 
@@ -216,7 +261,7 @@ class _FastQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         assert _ext is not None
-        return _ext.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+        return _ext.quantized_matmul(x, self["weight"], self["scales"], kernel_biases(self),
                                      self.group_size, self.bits)
 
 

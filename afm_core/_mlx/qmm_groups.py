@@ -81,6 +81,7 @@ class _Group:
         "biases",
         "bits",
         "group_size",
+        "kernel_biases",
         "members",
         "scales",
         "splits",
@@ -95,6 +96,9 @@ class _Group:
         mx.eval(self.weight, self.scales, self.biases)
         self.group_size: int = layers[0].group_size
         self.bits: int = layers[0].bits
+        # the kernels' biases argument (a symmetric weight's factor: qmatmul.symmetric_factor)
+        factor = _qmm.symmetric_factor(self.scales, self.biases, self.bits)
+        self.kernel_biases: mx.array = self.biases if factor is None else factor
         self.members: list[Any] = layers
         self.splits: list[int] = [int(layer["weight"].shape[0]) for layer in layers]
         self._x: mx.array | None = None
@@ -121,7 +125,7 @@ class _Group:
         weight, eps = norm if norm is not None else (None, 0.0)
         biases = [_qmm.fused_bias(layer, x) for layer in self.members]
         offset, freqs, dims, traditional = rope if rope is not None else (None, None, 0, False)
-        outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.biases, self.group_size,
+        outs = ext.quantized_matmul_split(x, self.weight, self.scales, self.kernel_biases, self.group_size,
                                           self.bits, self.splits, biases, weight, eps, shapes or [],
                                           offset, freqs, dims, traditional, 0 if rope is None else 2)
         for i, (layer, bias) in enumerate(zip(self.members, biases, strict=True)):
@@ -151,7 +155,7 @@ class _Group:
         ext = _qmm.extension()
         assert ext is not None
         weight, eps = norm if norm is not None else (None, 0.0)
-        return ext.quantized_matmul_swiglu(x, self.weight, self.scales, self.biases,
+        return ext.quantized_matmul_swiglu(x, self.weight, self.scales, self.kernel_biases,
                                            self.group_size, self.bits, weight, eps)
 
 
@@ -242,8 +246,9 @@ def layer_outputs(layers: tuple[Any, ...], x: mx.array, norm: Norm | None,
     outs = []
     for i, (layer, n) in enumerate(zip(layers, widths, strict=True)):
         shapes = [] if heads is None else [(x.shape[0], heads[i], 1, n // heads[i])]
-        outs.extend(ext.quantized_matmul_split(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size,
-                                               layer.bits, [n], [_qmm.fused_bias(layer, x)], weight, eps, shapes))
+        outs.extend(ext.quantized_matmul_split(x, layer["weight"], layer["scales"], _qmm.kernel_biases(layer),
+                                               layer.group_size, layer.bits, [n], [_qmm.fused_bias(layer, x)],
+                                               weight, eps, shapes))
     return outs
 
 

@@ -36,6 +36,9 @@ def use_fast_qmm(model: nn.Module) -> int:
             continue
         changed += 1
     group_siblings(model)  # q/k/v and gate/up as one product each
+    for _, layer in model.named_modules():  # (after grouping: members' arrays are views then)
+        if isinstance(layer, (_qmm._FastQuantizedLinear, _qmm._FastQuantizedEmbedding)):
+            _qmm.note_symmetric(layer)
     return changed
 
 
@@ -46,6 +49,7 @@ def restore_qmm(model: nn.Module) -> int:
     changed = 0
     for _, layer in model.named_modules():
         if isinstance(layer, (_qmm._FastQuantizedLinear, _qmm._FastQuantizedEmbedding)):
+            _qmm.forget_symmetric(layer)
             layer.__class__ = layer.__class__.__mro__[1]
             changed += 1
     return changed

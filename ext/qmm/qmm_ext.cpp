@@ -457,6 +457,13 @@ const float* dense_rows(const mx::array& x, int M, int K) {
   return float_rows(x, M, K, offsets.data(), x.strides(-1), xbuf);
 }
 
+// A 0-d biases argument's value (see checked_stream).
+float bias_factor(const mx::array& b) {
+  if (b.dtype() == mx::float32) return b.data<float>()[0];
+  if (b.dtype() == mx::float16) return static_cast<float>(b.data<mx::float16_t>()[0]);
+  return static_cast<float>(b.data<mx::bfloat16_t>()[0]);
+}
+
 // rows: x's rows already dense (a norm prologue's, normed_rows), or null.
 Operands operands(const mx::array& x, const mx::array& w, const mx::array& scales,
                   const mx::array& biases, int group, int bits, const float* rows = nullptr) {
@@ -472,10 +479,21 @@ Operands operands(const mx::array& x, const mx::array& w, const mx::array& scale
   wt.scale_type = scale_type(scales.dtype());
   if (wt.scale_type == ScaleType::f32) {
     wt.scales = contiguous_2d<float>(scales, scopy32);
-    wt.biases = contiguous_2d<float>(biases, bcopy32);
+    if (biases.ndim() != 0) wt.biases = contiguous_2d<float>(biases, bcopy32);
   } else {
     wt.scales = contiguous_2d<uint16_t>(scales, scopy16);
-    wt.biases = contiguous_2d<uint16_t>(biases, bcopy16);
+    if (biases.ndim() != 0) wt.biases = contiguous_2d<uint16_t>(biases, bcopy16);
+  }
+  if (biases.ndim() == 0) {  // a symmetric weight: every bias this times its scale
+    const float f = bias_factor(biases);
+    if (f != 0.0f) {
+      wt.bias_factor = f;
+      wt.biases = wt.scales;
+    } else {  // (every bias 0: a plane of zeros, float32 or halves alike)
+      thread_local std::vector<float> zeros;
+      zeros.assign(scales.size(), 0.0f);
+      wt.biases = zeros.data();
+    }
   }
   wt.N = w.shape(0);
   wt.K = K;
@@ -821,10 +839,15 @@ mx::Stream checked_stream(const mx::array& x, const mx::array& w, const mx::arra
     throw std::invalid_argument("afm qmm: x's last dimension does not match w");
   }
   const mx::Shape sshape = {N, K / group_size};
-  if (scales.shape() != sshape || biases.shape() != sshape ||
-      scales.dtype() != biases.dtype()) {
-    throw std::invalid_argument("afm qmm: scales and biases must both be (N, K / group_size)");
+  // biases: (N, K / group_size) as the scales, or 0-d: a symmetric weight's
+  // factor c, every group's bias c times its scale (QWeights::bias_factor)
+  if (scales.shape() != sshape ||
+      (biases.ndim() != 0 && (biases.shape() != sshape || scales.dtype() != biases.dtype()))) {
+    throw std::invalid_argument(
+        "afm qmm: scales must be (N, K / group_size) and biases the same, or 0-d (every bias "
+        "that times its scale)");
   }
+  (void)scale_type(biases.dtype());
   (void)scale_type(scales.dtype());
   const mx::Stream stream = mx::default_stream(mx::default_device());
   if (stream.device != mx::Device::cpu) {
@@ -1199,7 +1222,10 @@ NB_MODULE(qmm_ext, m) {
         "group_size"_a, "bits"_a, "bias"_a = nb::none(), "residual"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T (+ bias, 1-D, x's dtype), in x's dtype (float32, "
         "float16 or bfloat16), float32 accumulation, activations quantized per block of 32; "
-        "+ residual (float32, the output's shape, float32 x), the bits of adding it after");
+        "+ residual (float32, the output's shape, float32 x), the bits of adding it after; "
+        "biases may be a 0-d array c instead (a symmetric weight: every group's bias c times "
+        "its scale, c = -2^(bits-1) for GGUF's Q4_0/Q5_0/Q8_0/Q6_K): the same result where "
+        "the biases are exactly that, without reading them");
   m.def("quantized_matmul_split", &afm_qmm::quantized_matmul_split, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "splits"_a, "bias"_a = std::vector<std::optional<mx::array>>{},
         "norm_weight"_a = nb::none(), "norm_eps"_a = 0.0f,

@@ -95,7 +95,11 @@ void convert_row(const void* src, ScaleType t, size_t start, int n, float* dst) 
 inline void load_row_scales(const QWeights& wt, int n, int ng, float* s, float* b) {
   const size_t start = static_cast<size_t>(n) * ng;
   convert_row(wt.scales, wt.scale_type, start, ng, s);
-  convert_row(wt.biases, wt.scale_type, start, ng, b);
+  if (wt.bias_factor != 0.0f) {
+    for (int g = 0; g < ng; ++g) b[g] = wt.bias_factor * s[g];  // (QWeights::bias_factor)
+  } else {
+    convert_row(wt.biases, wt.scale_type, start, ng, b);
+  }
 }
 
 // ---------------------------------------------------------------- unpacking

@@ -59,6 +59,12 @@ struct QWeights {
   const void* biases = nullptr;
   ScaleType scale_type = ScaleType::f32;
   int N = 0, K = 0, group = 32, bits = 4;
+  // Nonzero: a symmetric weight, every group's bias this times its scale
+  // (-2^(bits-1) for GGUF's Q4_0, Q5_0, Q8_0, Q6_K...), and `biases` points
+  // at the scales: the kernels make each row's biases from its scales (the
+  // same float32 values where the stored biases are exactly factor * scale),
+  // and the weight's bias plane is not read.
+  float bias_factor = 0.0f;
 };
 
 // Quantize rows [m0, m1) of x (row m at x + row_offset(m), elements `kstride`
