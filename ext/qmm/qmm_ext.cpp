@@ -374,11 +374,29 @@ void gemm_columns(Sgemm sgemm, const float* x, int M, const QWeights& wt, int n0
   const int tile_rows = gemm_tile(M, K);
   thread_local std::vector<float> tile;
   tile.resize(static_cast<size_t>(std::min(tile_rows, n1 - n0)) * K);
+  const KernelSet& ks = kernels();
+  Pool& p = pool();
   for (int t0 = n0; t0 < n1; t0 += tile_rows) {
     const int t1 = std::min(n1, t0 + tile_rows);
-    dequantize_rows(wt, t0, t1, tile.data());
+    // the tile's rows dequantized on the pool's threads (OpenBLAS's then
+    // multiply it): one thread took as long as sgemm itself for a prompt of
+    // a few dozen rows
+    const int rows = t1 - t0;
+    const int threads = std::min(pool_threads(p, static_cast<double>(rows) * K, 100000.0), rows);
+    float* const tp = tile.data();  // (the jobs run on other threads: not the thread_local)
+    if (threads <= 1) {
+      ks.dequantize(wt, t0, t1, tp);
+    } else {
+      const int chunks = std::min(rows, 4 * threads);
+      const std::function<void(int)> job = [&](int c) {
+        const int r0 = t0 + static_cast<int>(static_cast<int64_t>(rows) * c / chunks);
+        const int r1 = t0 + static_cast<int>(static_cast<int64_t>(rows) * (c + 1) / chunks);
+        ks.dequantize(wt, r0, r1, tp + static_cast<size_t>(r0 - t0) * K);
+      };
+      p.run(threads, chunks, job);
+    }
     // row-major, x not transposed, tile transposed
-    sgemm(101, 111, 112, M, t1 - t0, K, 1.0f, x, K, tile.data(), K, 0.0f, y + (t0 - n0), ldy);
+    sgemm(101, 111, 112, M, t1 - t0, K, 1.0f, x, K, tp, K, 0.0f, y + (t0 - n0), ldy);
   }
 }
 

@@ -358,19 +358,21 @@ struct Available {
   KernelSet sets[6];
   int count = 0;
   Available() {
-    sets[count++] = {scalar::range, "scalar", quantize_rows};
+    sets[count++] = {scalar::range, "scalar", quantize_rows, dequantize_rows};
 #if QMM_NEON
-    sets[count++] = {neon::range, "neon", quantize_rows};
+    sets[count++] = {neon::range, "neon", quantize_rows, dequantize_rows};
 #endif
 #if QMM_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      sets[count++] = {avx2::range, "avx2", avx2::quantize};
-      if (__builtin_cpu_supports("avxvnni")) sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize};
+      sets[count++] = {avx2::range, "avx2", avx2::quantize, avx2::dequantize};
+      if (__builtin_cpu_supports("avxvnni")) {
+        sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize, avxvnni::dequantize};
+      }
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
-        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize};
-        sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize};
+        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize, vnni::dequantize};
+        sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize, avx2::dequantize};
       }
     }
 #endif
@@ -441,17 +443,17 @@ void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
       if (bits == 4) {
         const uint8_t* p = w + k0 / 2;
         for (int i = 0; i < wt.group / 2; ++i) {
-          out[k0 + 2 * i] = sc * static_cast<float>(p[i] & 0x0F) + bi;
-          out[k0 + 2 * i + 1] = sc * static_cast<float>(p[i] >> 4) + bi;
+          out[k0 + 2 * i] = std::fma(sc, static_cast<float>(p[i] & 0x0F), bi);
+          out[k0 + 2 * i + 1] = std::fma(sc, static_cast<float>(p[i] >> 4), bi);
         }
       } else if (bits == 8) {
         const uint8_t* p = w + k0;
-        for (int i = 0; i < wt.group; ++i) out[k0 + i] = sc * static_cast<float>(p[i]) + bi;
+        for (int i = 0; i < wt.group; ++i) out[k0 + i] = std::fma(sc, static_cast<float>(p[i]), bi);
       } else {  // a block of 32 is 4 * bits whole bytes
         for (int k = k0; k < k0 + wt.group; k += 32) {
           const uint8_t* p = w + static_cast<size_t>(k / 32) * 4 * bits;
           for (int i = 0; i < 32; ++i) {
-            out[k + i] = sc * static_cast<float>(weight_value(p, bits, i)) + bi;
+            out[k + i] = std::fma(sc, static_cast<float>(weight_value(p, bits, i)), bi);
           }
         }
       }

@@ -76,7 +76,8 @@ void quantize_rows(const float* x, const int64_t* row_offsets, int64_t kstride,
                    int K, int group, int bits, int passes, int8_t* q, float* d, float* xsum,
                    int m0, int m1);
 
-// Rows [n0, n1) of the weight as float32 into dst ((n1 - n0) x K).
+// Rows [n0, n1) of the weight as float32 into dst ((n1 - n0) x K): each
+// value fma(scale, code, bias), rounded once.
 void dequantize_rows(const QWeights& wt, int n0, int n1, float* dst);
 
 // out[m * N + n] for n in [n0, n1), every output row m < M / passes (the
@@ -89,10 +90,14 @@ using QuantizeFn = void (*)(const float* x, const int64_t* row_offsets, int64_t 
                             int group, int bits, int passes, int8_t* q, float* d, float* xsum,
                             int m0, int m1);
 
+// dequantize_rows()'s signature: the set's own (vectorized) dequantization.
+using DequantizeFn = void (*)(const QWeights& wt, int n0, int n1, float* dst);
+
 struct KernelSet {
   RangeKernel range;
   const char* name;
   QuantizeFn quantize;  // the activations for `range`
+  DequantizeFn dequantize;  // dequantize_rows's values (the sgemm path's tiles)
 };
 
 // The best kernel set this CPU runs, or the one named by AFM_QMM_ISA
