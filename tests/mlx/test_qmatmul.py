@@ -53,14 +53,6 @@ EPS32 = 2.0**-24
 
 
 @pytest.fixture
-def isa(request):
-    best = ISAS[-1]
-    ext.set_isa(request.param)
-    yield request.param
-    ext.set_isa(best)
-
-
-@pytest.fixture
 def integer_path():
     ext.set_gemm_rows(0)  # never sgemm
     yield

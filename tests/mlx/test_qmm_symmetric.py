@@ -24,14 +24,6 @@ BITS = [2, 3, 4, 5, 6, 8]
 
 
 @pytest.fixture
-def isa(request):
-    best = ISAS[-1]
-    ext.set_isa(request.param)
-    yield request.param
-    ext.set_isa(best)
-
-
-@pytest.fixture
 def act_bits(request):
     ext.set_activation_bits(request.param)
     yield request.param

@@ -1,0 +1,19 @@
+"""Fixtures the MLX tests share."""
+
+from __future__ import annotations
+
+import pytest
+
+from afm_core._mlx import qmatmul as _qmatmul
+
+
+@pytest.fixture
+def isa(request):
+    """The quantized kernels' instruction set ``request.param`` for the test
+    (``@pytest.mark.parametrize("isa", ..., indirect=True)``), the best one after."""
+    ext = _qmatmul.extension()
+    assert ext is not None
+    best = ext.available_isas()[-1]
+    assert ext.set_isa(request.param)
+    yield request.param
+    ext.set_isa(best)
