@@ -203,8 +203,9 @@ def _spec_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--prompt-lookup", type=int_or_auto(0), default=_ENGINE.prompt_lookup, metavar="N",
                       help="propose up to N tokens per step from an earlier occurrence of the stream's last "
                            "tokens in its prompt or output, checked by one forward pass (0: off; default: "
-                           "auto, 4 for a model of 256 MiB of weights or more, where it paid on chat and "
-                           "code editing alike, else off)")
+                           "auto: for a model of 256 MiB of weights or more 4 with the VNNI kernels, 2 "
+                           "with the others (AVX2, portable), where it paid on chat and code editing "
+                           "alike; else off)")
     spec.add_argument("--draft-model", default=_ENGINE.draft_model, metavar="M",
                       help="a smaller model with the same tokenizer proposes the tokens instead (an mlx-lm "
                            "directory, a .gguf or a hub id; default: none)")

@@ -248,9 +248,11 @@ class EngineConfig:
     distribution (speculative sampling); grammar, penalties and
     ``logit_bias`` apply at every checked position.  Text that repeats its
     prompt (edits of code or a document, quotes, extraction) comes faster.
-    None (the default): automatic, 4 tokens for a model of at least 256 MiB
-    of weights (a verify pass reads the weights once for several tokens,
-    so it paid on chat too), off for smaller ones (where on free text it
+    None (the default): automatic, for a model of at least 256 MiB of
+    weights 4 tokens with the VNNI kernels and 2 with the others (a verify
+    pass reads the weights once for several tokens, so it paid on chat too;
+    without VNNI a pass over 5 positions costs about two steps), off for
+    smaller ones (where on free text it
     lost a few percent); see :func:`afm_core._mlx.speculative.auto_lookup_tokens`.
     Automatic lookup leaves sampled requests with a ``seed`` out (they keep
     the tokens they get without speculation).

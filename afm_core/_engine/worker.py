@@ -272,7 +272,8 @@ class Worker(Admission, Stepping):
     def _lookup_tokens(self) -> int:
         """``prompt_lookup``, or when it is None (automatic) the model's default
         (``speculative.auto_lookup_tokens``: on for models bound by reading
-        their weights), logged."""
+        their weights, its tokens by the kernel set), logged."""
+        from .._mlx.qmatmul import kernel_isa
         from .._mlx.speculative import auto_lookup_tokens, weight_bytes
 
         if self.config.prompt_lookup is not None:
@@ -280,8 +281,8 @@ class Worker(Admission, Stepping):
         if self.config.distributed is not None:
             return 0
         k = auto_lookup_tokens(self.model)
-        log.info("prompt lookup: %s (automatic: %d MiB of weights)", f"{k} tokens per step" if k else "off",
-                 weight_bytes(self.model) >> 20)
+        log.info("prompt lookup: %s (automatic: %d MiB of weights, %s kernels)",
+                 f"{k} tokens per step" if k else "off", weight_bytes(self.model) >> 20, kernel_isa() or "no")
         return k
 
     def _wake(self) -> None:

@@ -98,7 +98,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
-__all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
+__all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "AUTO_LOOKUP_TOKENS_VNNI", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
            "Proposer", "Speculation", "auto_lookup_tokens", "untrimmable_layers", "weight_bytes"]
 
 NGRAM_MAX = 3
@@ -106,9 +106,22 @@ NGRAM_MAX = 3
 NGRAM_MIN = 2
 """Shortest: one token alone matches too often to guess well."""
 
-AUTO_LOOKUP_TOKENS = 4
+AUTO_LOOKUP_TOKENS = 2
 """Tokens prompt lookup proposes per step when it is on by default
-(``EngineConfig.prompt_lookup`` None): :func:`auto_lookup_tokens`."""
+(``EngineConfig.prompt_lookup`` None) and the kernels' integer products
+are not one instruction per block (AVX2 without VNNI, the portable loop, no
+compiled kernels: MLX's own products): :func:`auto_lookup_tokens`.  There
+the products over a verify pass's rows are bound by the multiply ports (on
+an AVX2-only EPYC a pass over 5 positions of Qwen2.5-Coder-1.5B cost about
+two plain steps, and 4 proposed tokens made chat 0.95x plain; 2 tokens
+gave chat 1.20x and code editing 1.25x, ``afm bench --speculation``)."""
+AUTO_LOOKUP_TOKENS_VNNI = 4
+"""The same where the kernels have VNNI's one-instruction dot product
+(``avx512-vnni``, ``avx2-vnni``): a pass over 5 positions costs little more
+than one step (AVX-512 VNNI: chat 1.27x plain, code editing 1.70x).  The
+``avx2-vnni`` set (AVX-VNNI on 256-bit registers) is put here by its
+arithmetic, not a measurement: its products of a few rows cost what
+AVX-512's do per lane."""
 AUTO_LOOKUP_MIN_BYTES = 256 << 20
 """Weights (bytes) from which prompt lookup is on by default.  A decode step
 of such a model is bound by reading its weights, so a verify pass over a few
@@ -161,12 +174,18 @@ def weight_bytes(model: Any) -> int:
     return sum(int(v.nbytes) for _, v in leaves if isinstance(v, mx.array))
 
 
-def auto_lookup_tokens(model: Any, min_bytes: int | None = None) -> int:
-    """Prompt lookup's tokens per step by default for ``model``:
-    :data:`AUTO_LOOKUP_TOKENS` from ``min_bytes`` (:data:`AUTO_LOOKUP_MIN_BYTES`)
-    of weights on, 0 (off) below."""
+def auto_lookup_tokens(model: Any, min_bytes: int | None = None, isa: str | None = "") -> int:
+    """Prompt lookup's tokens per step by default for ``model``: from
+    ``min_bytes`` (:data:`AUTO_LOOKUP_MIN_BYTES`) of weights on, 0 (off)
+    below; :data:`AUTO_LOOKUP_TOKENS_VNNI` with the kernel set ``isa``
+    (``""``: the one in use, ``qmatmul.kernel_isa()``; None: no compiled
+    kernels) where it has VNNI, else :data:`AUTO_LOOKUP_TOKENS`."""
     floor = AUTO_LOOKUP_MIN_BYTES if min_bytes is None else min_bytes
-    return AUTO_LOOKUP_TOKENS if weight_bytes(model) >= floor else 0
+    if weight_bytes(model) < floor:
+        return 0
+    if isa == "":
+        isa = _qmm.kernel_isa()
+    return AUTO_LOOKUP_TOKENS_VNNI if isa is not None and "vnni" in isa else AUTO_LOOKUP_TOKENS
 
 
 class Proposer(Protocol):

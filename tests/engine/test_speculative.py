@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from afm_core._engine.engine import Engine, open_engine
-from afm_core._mlx import speculative
+from afm_core._mlx import qmatmul, speculative
 from afm_core._mlx.speculative import MAX_REST, PromptLookup, Speculation, lookup
 from afm_core._stream.events import Finish, Profile
 from afm_core.api.chat_request import ChatRequest
@@ -201,8 +201,8 @@ async def test_profile_reports_the_request_s_speculation(echo_all_dir: Path) -> 
         assert "spec_proposed" not in prof
 
 
-async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """By default (``prompt_lookup`` None) a model below
     ``AUTO_LOOKUP_MIN_BYTES`` of weights decodes plainly; one at or above it
     speculates with ``AUTO_LOOKUP_TOKENS`` per step; an explicit 0 is off
@@ -215,7 +215,8 @@ async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: P
     assert 0 < size < speculative.AUTO_LOOKUP_MIN_BYTES
     assert size == sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     assert speculative.auto_lookup_tokens(model) == 0
-    assert speculative.auto_lookup_tokens(model, min_bytes=size) == speculative.AUTO_LOOKUP_TOKENS
+    tokens = speculative.auto_lookup_tokens(model, min_bytes=size)
+    assert tokens == speculative.auto_lookup_tokens(model, min_bytes=size, isa=qmatmul.kernel_isa())
 
     async def proposed(**config: object) -> int:
         async with open_engine(echo_all_dir, warmup=False, **config) as engine:
@@ -225,8 +226,46 @@ async def test_prompt_lookup_is_automatic_by_the_model_s_weights(echo_all_dir: P
 
     assert await proposed() == 0
     monkeypatch.setattr(speculative, "AUTO_LOOKUP_MIN_BYTES", size)
+    caplog.set_level(logging.INFO, logger="afm.engine")
     assert await proposed() > 0
+    assert f"prompt lookup: {tokens} tokens per step (automatic" in caplog.text
     assert await proposed(prompt_lookup=0) == 0
+
+
+@pytest.mark.parametrize(("isa", "tokens"), [("avx512-vnni", speculative.AUTO_LOOKUP_TOKENS_VNNI),
+                                             ("avx2-vnni", speculative.AUTO_LOOKUP_TOKENS_VNNI),
+                                             ("avx2", speculative.AUTO_LOOKUP_TOKENS),
+                                             ("scalar", speculative.AUTO_LOOKUP_TOKENS),
+                                             (None, speculative.AUTO_LOOKUP_TOKENS)])
+def test_automatic_lookup_proposes_by_the_kernel_set(echo_all_dir: Path, isa: str | None, tokens: int) -> None:
+    """On by default, prompt lookup proposes 4 tokens a step with the VNNI
+    kernels (a verify pass over 5 positions costs little more than a step)
+    and 2 with the others (AVX2's integer products of 5 rows cost about two
+    steps; no kernels: MLX's products), and none below the weights' floor."""
+    from mlx_lm import load
+
+    model, _ = load(str(echo_all_dir))
+    assert (speculative.AUTO_LOOKUP_TOKENS_VNNI, speculative.AUTO_LOOKUP_TOKENS) == (4, 2)
+    assert speculative.auto_lookup_tokens(model, min_bytes=0, isa=isa) == tokens
+    assert speculative.auto_lookup_tokens(model, isa=isa) == 0
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512-vnni"])
+def test_automatic_lookup_follows_the_kernels_in_use(echo_all_dir: Path, isa: str) -> None:
+    """The kernel set in use decides (``AFM_QMM_ISA`` forcing AVX2 on an
+    AVX-512 machine proposes what an AVX2 machine does)."""
+    from mlx_lm import load
+
+    ext = qmatmul.extension()
+    if ext is None or isa not in ext.available_isas():
+        pytest.skip(f"the {isa} kernels need the extension and a CPU that runs them")
+    model, _ = load(str(echo_all_dir))
+    before = ext.isa()
+    assert ext.set_isa(isa)
+    try:
+        assert speculative.auto_lookup_tokens(model, min_bytes=0) == (4 if "vnni" in isa else 2)
+    finally:
+        assert ext.set_isa(before)
 
 
 async def test_automatic_lookup_leaves_seeded_rows_alone(echo_all_dir: Path,
