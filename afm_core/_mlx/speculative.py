@@ -99,7 +99,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("afm.engine")
 
 __all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "AUTO_LOOKUP_TOKENS_VNNI", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
-           "Proposer", "Speculation", "auto_lookup_tokens", "untrimmable_layers", "weight_bytes"]
+           "Proposer", "Speculation", "auto_lookup_tokens", "lookup_tokens_for", "untrimmable_layers",
+           "weight_bytes"]
 
 NGRAM_MAX = 3
 """Longest suffix :class:`PromptLookup` looks for."""
@@ -181,8 +182,14 @@ def auto_lookup_tokens(model: Any, min_bytes: int | None = None, isa: str | None
     (``""``: the one in use, ``qmatmul.kernel_isa()``; None: no compiled
     kernels) where it has VNNI, else :data:`AUTO_LOOKUP_TOKENS`."""
     floor = AUTO_LOOKUP_MIN_BYTES if min_bytes is None else min_bytes
-    if weight_bytes(model) < floor:
-        return 0
+    return lookup_tokens_for(isa) if weight_bytes(model) >= floor else 0
+
+
+def lookup_tokens_for(isa: str | None = "") -> int:
+    """Tokens the automatic setting proposes per step with the kernel set
+    ``isa`` (``""``: the one in use; None: no compiled kernels):
+    :data:`AUTO_LOOKUP_TOKENS_VNNI` where it has VNNI, else
+    :data:`AUTO_LOOKUP_TOKENS`."""
     if isa == "":
         isa = _qmm.kernel_isa()
     return AUTO_LOOKUP_TOKENS_VNNI if isa is not None and "vnni" in isa else AUTO_LOOKUP_TOKENS

@@ -90,7 +90,9 @@ def add_real_arguments(parser: argparse.ArgumentParser) -> None:
     a("--spec-model", default="qwen2.5-coder-1.5b", help="the model (a name, GGUF or directory)")
     a("--spec-draft", default="qwen2.5-coder-0.5b", help="its draft model (same tokenizer)")
     a("--spec-tokens", type=int, default=4, help="tokens the draft proposes per step")
-    a("--spec-lookup", type=int, default=4, help="tokens prompt lookup proposes per step")
+    a("--spec-lookup", type=int, default=None,
+      help="tokens prompt lookup proposes per step (default: the server's automatic setting, 4 with the "
+           "VNNI kernels and 2 with the others; off for a model below 256 MiB of weights)")
     a("--spec-max-tokens", type=int, default=320, help="tokens per request")
     a("--spec-requests", type=int, default=1, help="requests per workload per round")
 

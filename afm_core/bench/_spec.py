@@ -6,7 +6,9 @@ tokens.  On ``--spec-model`` (default Qwen2.5-Coder-1.5B) this mode runs,
 all up at once, in interleaved rounds (order reversed every other round):
 
 * ``ours``: ``afm serve``, no speculation (``--spec-max-batch 0``);
-* ``ours_lookup`` (``ours+lookup``): prompt lookup (``--prompt-lookup K``),
+* ``ours_lookup`` (``ours+lookup``): prompt lookup (``--prompt-lookup K``;
+  by default ``auto``, the server's automatic setting: 4 tokens a step with
+  the VNNI kernels, 2 with the others, off below 256 MiB of weights),
   drafts that read no weights;
 * ``ours_draft`` (``ours+draft``): ``--spec-draft`` (default
   Qwen2.5-Coder-0.5B, the same tokenizer) as the engine's ``draft_model``,
@@ -83,7 +85,7 @@ class SpecConfig:
     requests: int = 1  # per workload per round
     max_tokens: int = 320
     draft_tokens: int = 4
-    lookup: int = 4
+    lookup: int | None = None  # None: the server's automatic setting
     warmup: int = 1
     threads: int | None = None
     seed: int = 0
@@ -127,7 +129,7 @@ def _plan(cfg: SpecConfig, model: ModelSpec, draft: ModelSpec, ctx: TargetContex
         if key == "ours":
             extra = ("--spec-max-batch", "0")
         elif key == "ours_lookup":
-            extra = ("--prompt-lookup", str(cfg.lookup), "--spec-max-batch", "1")
+            extra = ("--prompt-lookup", "auto" if cfg.lookup is None else str(cfg.lookup), "--spec-max-batch", "1")
         elif key == "ours_draft":
             why = why or (draft.afm_error and f"the draft: {draft.afm_error}")
             extra = ("--draft-model", str(_draft_source(draft)), "--draft-tokens",

@@ -366,3 +366,25 @@ def test_sigterm_stops_the_servers_and_keeps_what_ran(random_model_dir: Path, tm
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("afm serve outlived the stopped run")
+
+
+def test_speculation_s_lookup_target_is_the_server_s_automatic_setting_unless_given(tmp_path: Path) -> None:
+    """``--speculation``'s ``ours+lookup`` runs ``afm serve --prompt-lookup
+    auto`` (what users get: 4 tokens with the VNNI kernels, 2 with the
+    others) unless ``--spec-lookup N`` asks for N; plain ``ours`` never
+    speculates."""
+    from afm_core.bench._spec import SpecConfig, _plan
+
+    model = ModelSpec(name="m", gguf="/m/x.gguf", afm_model="/m/x.gguf", directory="/d")
+    ctx = TargetContext(log_dir=tmp_path, threads=2, threads_explicit=False, max_batch=1)
+
+    def extra(**config: Any) -> dict[str, tuple[str, ...]]:
+        cfg = SpecConfig(out_dir=str(tmp_path), targets=("ours", "ours_lookup"), **config)
+        plans, skipped = _plan(cfg, model, model, ctx)
+        assert not skipped
+        return {name: args for _, name, args in plans}
+
+    auto = extra()
+    assert auto["ours+lookup"] == ("--prompt-lookup", "auto", "--spec-max-batch", "1")
+    assert auto["ours"] == ("--spec-max-batch", "0")
+    assert extra(lookup=2)["ours+lookup"] == ("--prompt-lookup", "2", "--spec-max-batch", "1")
