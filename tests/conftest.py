@@ -21,6 +21,21 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("random"))
 
 
+@pytest.fixture
+def isa(request: pytest.FixtureRequest):
+    """The quantized kernels' instruction set ``request.param`` for the test
+    (``@pytest.mark.parametrize("isa", ..., indirect=True)``), the one in use
+    before (the best, or ``AFM_QMM_ISA``'s) after."""
+    from afm_core._mlx import qmatmul
+
+    ext = qmatmul.extension()
+    assert ext is not None
+    before = ext.isa()
+    assert ext.set_isa(request.param)
+    yield request.param
+    assert ext.set_isa(before)
+
+
 def pytest_report_header() -> list[str]:
     """Which CPU paths this run exercises (tests/test_kernel_paths.py reruns the others)."""
     from afm_core._mlx import qmatmul

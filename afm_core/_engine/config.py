@@ -252,8 +252,8 @@ class EngineConfig:
     weights 4 tokens with the VNNI kernels and 2 with the others (a verify
     pass reads the weights once for several tokens, so it paid on chat too;
     without VNNI a pass over 5 positions costs about two steps), off for
-    smaller ones (where on free text it
-    lost a few percent); see :func:`afm_core._mlx.speculative.auto_lookup_tokens`.
+    smaller ones (where on free text it lost a few percent); see
+    :func:`afm_core._mlx.speculative.auto_lookup_tokens`.
     Automatic lookup leaves sampled requests with a ``seed`` out (they keep
     the tokens they get without speculation).
     0 disables it.  See ``spec_max_batch`` and

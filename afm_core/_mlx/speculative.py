@@ -98,9 +98,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afm.engine")
 
-__all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "AUTO_LOOKUP_TOKENS_VNNI", "NGRAM_MAX", "NGRAM_MIN", "DraftModel", "PromptLookup",
-           "Proposer", "Speculation", "auto_lookup_tokens", "lookup_tokens_for", "untrimmable_layers",
-           "weight_bytes"]
+__all__ = ["AUTO_LOOKUP_MIN_BYTES", "AUTO_LOOKUP_TOKENS", "AUTO_LOOKUP_TOKENS_VNNI", "NGRAM_MAX", "NGRAM_MIN",
+           "DraftModel", "PromptLookup", "Proposer", "Speculation", "auto_lookup_tokens", "lookup_tokens_for",
+           "untrimmable_layers", "weight_bytes"]
 
 NGRAM_MAX = 3
 """Longest suffix :class:`PromptLookup` looks for."""
