@@ -12,9 +12,12 @@
 2. One quantized product per shape of the model's step (one row, its bits,
    float16 scales), ``--reps`` independent products in one graph, on one
    thread and on the pool (``qmm_ext.set_thread_limit``): microseconds per
-   product and the weight bytes per second (the weights stay in the CPU's
-   caches across the repetitions: this is the kernel's own speed, not the
-   memory's).
+   product and the weight bytes per second, with the same weights each time
+   (what the caches hold of them: the kernel's own speed where they fit) and
+   on the pool with the weights from memory (copies adding up to 256 MB), as
+   a step reads them.  Last: those times over the step's products (each
+   shape times how often a step runs it) against the loop's time a token:
+   what of the step is the products, and what is everything else.
 """
 
 from __future__ import annotations
@@ -71,40 +74,60 @@ def decode_loop(model: nn.Module, steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def product_speed(k: int, n: int, bits: int, threads: int, reps: int) -> tuple[float, float]:
+def product_speed(k: int, n: int, bits: int, threads: int, reps: int,
+                  from_memory: bool = False) -> tuple[float, float]:
+    """Microseconds and weight GB/s of one one-row product: ``reps`` of them
+    in one graph, the best of 5 graphs.  ``from_memory``: the products cycle
+    through copies of the weights adding up to 256 MB (at most 1,024 copies;
+    at least ``reps`` products), so each reads its weights from memory, as a
+    decode step does; otherwise one copy (which stays in the caches when it
+    fits; one of several MB comes from the L3 or memory, as the CPU's caches
+    have it)."""
     ext = _qmatmul.extension()
     assert ext is not None
-    w, s, b = mx.quantize(mx.random.normal((n, k)) * 0.05, group_size=32, bits=bits)
-    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    one = n * k * bits // 8 + 2 * 2 * n * (k // 32)
+    copies = max(1, min(1024, -(-256_000_000 // one))) if from_memory else 1
+    reps = max(reps, copies)
+    weights = []
+    for _ in range(copies):
+        w, s, b = mx.quantize(mx.random.normal((n, k)) * 0.05, group_size=32, bits=bits)
+        weights.append((w, s.astype(mx.float16), b.astype(mx.float16)))
+        mx.eval(*weights[-1])
     xs = [mx.random.normal((1, 1, k)) for _ in range(reps)]
-    mx.eval(w, s, b, *xs)
+    mx.eval(*xs)
     ext.set_thread_limit(threads)
     best = float("inf")
     for _ in range(5):
-        outs = [ext.quantized_matmul(x, w, s, b, 32, bits) for x in xs]
+        outs = [ext.quantized_matmul(x, *weights[i % copies], 32, bits) for i, x in enumerate(xs)]
         t = time.perf_counter()
         mx.eval(outs)
         best = min(best, (time.perf_counter() - t) / reps)
     ext.set_thread_limit(0)
-    return best * 1e6, (w.nbytes + s.nbytes + b.nbytes) / best / 1e9
+    return best * 1e6, one / best / 1e9
 
 
-def shapes(model: nn.Module) -> list[tuple[str, int, int, int]]:
-    """(name, K, N, bits) of each distinct quantized product of a step."""
-    seen: dict[tuple[int, int, int], str] = {}
+def shapes(model: nn.Module) -> list[tuple[str, int, int, int, int]]:
+    """(name, K, N, bits, products a step) of each distinct quantized product of a step."""
+    seen: dict[tuple[int, int, int], list] = {}
+    groups: set[int] = set()
     for name, m in model.named_modules():
         group = getattr(m, "_group", None)  # a family's members run as its one product
         if group is not None:
+            if id(group) in groups:
+                continue
+            groups.add(id(group))
             weight, bits, label = group.weight, int(group.bits), "+".join(
                 n.split(".")[-1] for n, g in model.named_modules() if getattr(g, "_group", None) is group)
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if isinstance(m, nn.QuantizedEmbedding) and getattr(model, "lm_head", None) is not None:
+                continue  # a lookup, not a product, when the model has its own head
             weight, bits, label = m["weight"], int(m.bits), name.split(".")[-1]
         else:
             continue
         n, k = int(weight.shape[0]), int(weight.shape[1]) * 32 // bits
-        if (k, n, bits) not in seen:
-            seen[(k, n, bits)] = label
-    return [(label, k, n, bits) for (k, n, bits), label in seen.items()]
+        entry = seen.setdefault((k, n, bits), [label, 0])
+        entry[1] += 1
+    return [(label, k, n, bits, count) for (k, n, bits), (label, count) in seen.items()]
 
 
 def main() -> None:
@@ -133,13 +156,17 @@ def main() -> None:
         if used >= 0.01:
             role = "building the graphs (Python)" if tid == main_tid else name
             print(f"  {tid:>8} {role:<32} {used:5.2f}")
-    print("one-row products (weights in cache), one thread | the pool:")
-    for name, k, n, bits in shapes(model):
+    print("one-row products: one thread, the pool (2) with the weights in cache, the pool with them"
+          " from memory (as in a step); x the products a step:")
+    total = 0.0
+    for name, k, n, bits, count in shapes(model):
         one = product_speed(k, n, bits, 1, args.reps)
         pool = product_speed(k, n, bits, 0, args.reps)
-        print(f"  {name:<24} K {k:>5} N {n:>6} {bits} bits: {one[0]:8.1f} us {one[1]:5.1f} GB/s"
-              f" | {pool[0]:8.1f} us {pool[1]:5.1f} GB/s")
-
+        memory = product_speed(k, n, bits, 0, args.reps, from_memory=True)
+        total += count * memory[0]
+        print(f"  {name:<24} K {k:>5} N {n:>6} {bits} bits x{count:<3}: {one[0]:8.1f} us {one[1]:5.1f} GB/s"
+              f" | {pool[0]:8.1f} us {pool[1]:5.1f} GB/s | {memory[0]:8.1f} us {memory[1]:5.1f} GB/s")
+    print(f"a step's products from memory on the pool: {total / 1e3:.1f} ms of the loop's {1e3 / rate:.1f} ms a token")
 
 if __name__ == "__main__":
     main()
