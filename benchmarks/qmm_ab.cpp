@@ -10,6 +10,8 @@
 //     g++ -O3 -std=c++20 -Iext/qmm -o /tmp/qmm_ab benchmarks/qmm_ab.cpp -ldl -lpthread
 //     /tmp/qmm_ab K N BITS THREADS SYMMETRIC [REPS [MB [ISA]]] /tmp/a.so /tmp/b.so [more.so ...]
 //
+// (One library alone: that build's speed.)
+//
 // K x N weights of BITS bits in groups of 32 with float16 scales (and
 // biases unless SYMMETRIC), one activation row quantized by each build's
 // own `quantize` (16-bit), THREADS threads each a contiguous share of the
@@ -62,8 +64,8 @@ const KernelSet* load(const char* path, const char* isa) {
 int main(int argc, char** argv) {
   int first = 6;  // the first library's argument
   while (first < argc && std::strstr(argv[first], ".so") == nullptr) ++first;
-  if (argc < 8 || first + 2 > argc) {
-    std::fprintf(stderr, "usage: %s K N BITS THREADS SYMMETRIC [REPS [MB [ISA]]] a.so b.so [...]\n", argv[0]);
+  if (argc < 7 || first >= argc) {
+    std::fprintf(stderr, "usage: %s K N BITS THREADS SYMMETRIC [REPS [MB [ISA]]] a.so [b.so ...]\n", argv[0]);
     return 2;
   }
   const int K = std::atoi(argv[1]), N = std::atoi(argv[2]), bits = std::atoi(argv[3]);
