@@ -7,7 +7,7 @@
 //     git show HEAD~1:ext/qmm/qmm_x86.inc > /tmp/a/qmm_x86.inc   # ... the files that differ
 //     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/a.so /tmp/a/qmm_kernels.cpp
 //     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/b.so ext/qmm/qmm_kernels.cpp
-//     g++ -O3 -std=c++20 -Iext/qmm -o /tmp/qmm_ab benchmarks/qmm_ab.cpp -ldl -lpthread
+//     g++ -O3 -std=c++20 -Iext/qmm -Ibenchmarks -o /tmp/qmm_ab benchmarks/qmm_ab.cpp -ldl -lpthread
 //     /tmp/qmm_ab K N BITS THREADS SYMMETRIC [REPS [MB [ISA]]] /tmp/a.so /tmp/b.so [more.so ...]
 //
 // (One library alone: that build's speed.)
@@ -23,14 +23,13 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <thread>
 #include <vector>
 
+#include "qmm_bench.h"
 #include "qmm_kernels.h"
 
 using namespace afm_qmm;
@@ -96,26 +95,9 @@ int main(int argc, char** argv) {
   std::vector<float> x(K);
   for (auto& v : x) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
 
-  struct Acts {
-    std::vector<int8_t> q;
-    std::vector<float> d, xsum;
-    QActs view;
-  };
-  std::vector<Acts> acts(builds);
-  const int64_t offset = 0;
-  for (int i = 0; i < builds; ++i) {
-    Acts& a = acts[i];
-    a.q.assign(4 * static_cast<size_t>(K), 0);
-    a.d.assign(2 * K / 32 + 8, 0.0f);
-    a.xsum.assign(2 * K / 32 + 8, 0.0f);
-    sets[i]->quantize(x.data(), &offset, 1, K, 32, bits, 2, a.q.data(), a.d.data(), a.xsum.data(), 0, 1);
-    a.view.q = a.q.data();
-    a.view.d = a.d.data();
-    a.view.xsum = a.xsum.data();
-    a.view.M = 2;
-    a.view.K = K;
-    a.view.passes = 2;
-  }
+  std::vector<OneRow> acts;
+  acts.reserve(builds);
+  for (int i = 0; i < builds; ++i) acts.push_back(quantize_one_row(*sets[i], x, bits));
   std::vector<std::vector<float>> out(builds, std::vector<float>(N));
   auto run = [&](int i, int c) {
     QWeights wt;
@@ -128,14 +110,7 @@ int main(int argc, char** argv) {
     wt.group = 32;
     wt.bits = bits;
     wt.bias_factor = symmetric ? -static_cast<float>(1 << (bits - 1)) : 0.0f;
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) {
-      pool.emplace_back([&, t, wt] { sets[i]->range(acts[i].view, wt, out[i].data(), N * t / threads, N * (t + 1) / threads); });
-    }
-    sets[i]->range(acts[i].view, wt, out[i].data(), 0, N / threads);
-    for (auto& th : pool) th.join();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return timed_rows(N, threads, [&, wt](int n0, int n1) { sets[i]->range(acts[i].view, wt, out[i].data(), n0, n1); });
   };
   std::vector<std::vector<double>> times(builds);
   for (int r = 0; r < reps; ++r) {

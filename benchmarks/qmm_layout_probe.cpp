@@ -18,25 +18,18 @@
 // MB), so they come from memory, as in a decode step; 1 and 2 threads,
 // each thread a share of the output rows, as afm's pool splits them.
 //
-//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -o /tmp/qmm_layout_probe benchmarks/qmm_layout_probe.cpp -lpthread
+//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -Ibenchmarks -o /tmp/qmm_layout_probe benchmarks/qmm_layout_probe.cpp -lpthread
 //     /tmp/qmm_layout_probe
 //
 // Needs an x86-64 CPU with AVX2, FMA and F16C.  Prints, per shape and thread
 // count, the median microseconds and GB/s of each layout and their ratio.
 #include "qmm_kernels.cpp"
+#include "qmm_bench.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <thread>
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
 namespace afm_qmm {
 namespace {
 namespace avx2 {
@@ -44,8 +37,20 @@ namespace avx2 {
 // One activation row (16-bit, from this set's quantize with bits = 6: load_w16<6>'s order) times
 // rows [n0, n1) of 6-bit codes with float16 scales per 16, every bias -32 x its scale.
 // xsum16: the exact sums of x per 16.
-static void range_6bit_g16(const QActs& a, const float* xsum16, const QWeights& wt, float* out, int n0,
-                           int n1) {
+#define AVX2_FMA_F16C __attribute__((target("avx2,fma,f16c")))
+
+// Block blk of a row: acc[blk & 1] += (w . x) * d * sv (sv: the block's two scales, 4 lanes each).
+AVX2_FMA_F16C static inline void block_6bit_g16(const uint8_t* wp, const int16_t* x, const float* d8, int blk,
+                                                __m256 sv, __m256* acc) {
+  __m256i w0, w1;
+  load_w16<6>(wp + 24 * static_cast<ptrdiff_t>(blk), w0, w1);
+  const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot16(w0, w1, x + 32 * static_cast<ptrdiff_t>(blk))),
+                                 _mm256_load_ps(d8 + 8 * blk));
+  acc[blk & 1] = _mm256_fmadd_ps(t, sv, acc[blk & 1]);
+}
+
+AVX2_FMA_F16C static void range_6bit_g16(const QActs& a, const float* xsum16, const QWeights& wt, float* out,
+                                         int n0, int n1) {
   const int K = wt.K, nb = K / 32, ng = K / 16;
   const int ngp = (ng + 15) & ~15;
   const size_t row_bytes = static_cast<size_t>(K) * 6 / 8;
@@ -65,23 +70,17 @@ static void range_6bit_g16(const QActs& a, const float* xsum16, const QWeights& 
     const uint8_t* wp = wt.w + n * row_bytes;
     const int16_t* x = reinterpret_cast<const int16_t*>(a.q);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    auto block = [&](int blk, __m256 sv) {
-      __m256i w0, w1;
-      load_w16<6>(wp + 24 * static_cast<ptrdiff_t>(blk), w0, w1);
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot16(w0, w1, x + 32 * static_cast<ptrdiff_t>(blk))),
-                                     _mm256_load_ps(d8 + 8 * blk));
-      acc[blk & 1] = _mm256_fmadd_ps(t, sv, acc[blk & 1]);
-    };
     int blk = 0;
     for (; blk + 4 <= nb; blk += 4) {
       _mm_prefetch(reinterpret_cast<const char*>(wp + 24 * blk + kPrefetch), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wp + 24 * blk + kPrefetch + 64), _MM_HINT_T0);
       const __m256 s8 = _mm256_load_ps(s + 2 * blk);
-      for (int j = 0; j < 4; ++j) block(blk + j, _mm256_permutevar8x32_ps(s8, pick[j]));
+      for (int j = 0; j < 4; ++j) block_6bit_g16(wp, x, d8, blk + j, _mm256_permutevar8x32_ps(s8, pick[j]), acc);
     }
     for (; blk < nb; ++blk) {
-      block(blk, _mm256_setr_ps(s[2 * blk], s[2 * blk], s[2 * blk], s[2 * blk], s[2 * blk + 1], s[2 * blk + 1],
-                                s[2 * blk + 1], s[2 * blk + 1]));
+      const __m256 sv = _mm256_setr_ps(s[2 * blk], s[2 * blk], s[2 * blk], s[2 * blk], s[2 * blk + 1],
+                                       s[2 * blk + 1], s[2 * blk + 1], s[2 * blk + 1]);
+      block_6bit_g16(wp, x, d8, blk, sv, acc);
     }
     out[n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), bias));
   }
@@ -90,11 +89,6 @@ static void range_6bit_g16(const QActs& a, const float* xsum16, const QWeights& 
 }  // namespace avx2
 }  // namespace
 }  // namespace afm_qmm
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
 
 namespace {
 
@@ -108,8 +102,8 @@ uint32_t next_u32() {  // xorshift64*
   return static_cast<uint32_t>((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
 }
 
-__attribute__((target("f16c"))) uint16_t to_half(float f) { return _cvtss_sh(f, 0); }
-__attribute__((target("f16c"))) float from_half(uint16_t h) { return _cvtsh_ss(h); }
+AVX2_FMA_F16C uint16_t to_half(float f) { return _cvtss_sh(f, 0); }
+AVX2_FMA_F16C float from_half(uint16_t h) { return _cvtsh_ss(h); }
 
 // MLX's packing: element i's `bits` bits at bit i * bits of the row.
 int code_at(const uint8_t* row, int bits, int i) {
@@ -146,28 +140,19 @@ double reference_row(const Layout& l, int K, int n, const std::vector<float>& x)
   return sum;
 }
 
+// The activation row for the 6-bit kernel: quantize_one_row's, and x's exact sums per 16.
 struct Acts {
-  std::vector<int8_t> q;
-  std::vector<float> d, xsum, xsum16;
-  QActs view;
+  OneRow row;
+  std::vector<float> xsum16;
 };
 
-Acts quantize_for(const KernelSet& set, const std::vector<float>& x, int K, int bits) {
-  Acts a{std::vector<int8_t>(2 * static_cast<size_t>(K)), std::vector<float>(2 * K / 32),
-         std::vector<float>(2 * K / 32), std::vector<float>(K / 16), {}};
-  const int64_t offset = 0;
-  set.quantize(x.data(), &offset, 1, K, 32, bits, 2, a.q.data(), a.d.data(), a.xsum.data(), 0, 1);
-  for (int g = 0; g < K / 16; ++g) {
+Acts quantize_for(const KernelSet& set, const std::vector<float>& x, int bits) {
+  Acts a{quantize_one_row(set, x, bits), std::vector<float>(x.size() / 16)};
+  for (size_t g = 0; g < a.xsum16.size(); ++g) {
     double s = 0.0;
     for (int i = 0; i < 16; ++i) s += x[16 * g + i];
     a.xsum16[g] = static_cast<float>(s);
   }
-  a.view.q = a.q.data();
-  a.view.d = a.d.data();
-  a.view.xsum = a.xsum.data();
-  a.view.M = 2;
-  a.view.K = K;
-  a.view.passes = 2;
   return a;
 }
 
@@ -182,17 +167,6 @@ QWeights weights_of(const Layout& l, int K, int N) {
   wt.bits = l.bits;
   wt.bias_factor = -static_cast<float>(1 << (l.bits - 1));
   return wt;
-}
-
-// The product of rows [0, N) on `threads` threads, each a contiguous share.
-template <typename Fn>
-double timed(int N, int threads, Fn fn) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { fn(N * t / threads, N * (t + 1) / threads); });
-  fn(0, N / threads);
-  for (auto& th : pool) th.join();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 bool check(const char* what, const std::vector<float>& out, const Layout& l, int K, const std::vector<float>& x) {
@@ -241,27 +215,27 @@ int main() {
     }
     std::vector<float> x(K);
     for (auto& v : x) v = static_cast<float>(static_cast<int>(next_u32() % 2001) - 1000) / 1000.0f;
-    const Acts a8 = quantize_for(*set, x, K, 8), a6 = quantize_for(*set, x, K, 6);
+    const Acts a8 = quantize_for(*set, x, 8), a6 = quantize_for(*set, x, 6);
     std::vector<float> out(N);
     auto run8 = [&](const Layout& l) {
       const QWeights wt = weights_of(l, K, N);
-      return [&, wt](int n0, int n1) { set->range(a8.view, wt, out.data(), n0, n1); };
+      return [&, wt](int n0, int n1) { set->range(a8.row.view, wt, out.data(), n0, n1); };
     };
     auto run6 = [&](const Layout& l) {
       const QWeights wt = weights_of(l, K, N);
-      return [&, wt](int n0, int n1) { avx2::range_6bit_g16(a6.view, a6.xsum16.data(), wt, out.data(), n0, n1); };
+      return [&, wt](int n0, int n1) { avx2::range_6bit_g16(a6.row.view, a6.xsum16.data(), wt, out.data(), n0, n1); };
     };
-    timed(N, 1, run8(eight[0]));
+    timed_rows(N, 1, run8(eight[0]));
     if (!check("8 bits, groups of 32", out, eight[0], K, x)) return 1;
-    timed(N, 1, run6(six[0]));
+    timed_rows(N, 1, run6(six[0]));
     if (!check("6 bits, groups of 16", out, six[0], K, x)) return 1;
     const double bytes8 = static_cast<double>(K) * N * (1.0 + 2.0 / 32);
     const double bytes6 = static_cast<double>(K) * N * (0.75 + 2.0 / 16);
     for (int threads = 1; threads <= 2; ++threads) {
       std::vector<double> t8, t6;
       for (int r = 0; r < 30; ++r) {
-        t8.push_back(timed(N, threads, run8(eight[r % copies])));
-        t6.push_back(timed(N, threads, run6(six[r % copies])));
+        t8.push_back(timed_rows(N, threads, run8(eight[r % copies])));
+        t6.push_back(timed_rows(N, threads, run6(six[r % copies])));
       }
       std::sort(t8.begin(), t8.end());
       std::sort(t6.begin(), t6.end());
