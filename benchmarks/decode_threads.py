@@ -168,5 +168,6 @@ def main() -> None:
               f" | {pool[0]:8.1f} us {pool[1]:5.1f} GB/s | {memory[0]:8.1f} us {memory[1]:5.1f} GB/s")
     print(f"a step's products from memory on the pool: {total / 1e3:.1f} ms of the loop's {1e3 / rate:.1f} ms a token")
 
+
 if __name__ == "__main__":
     main()
