@@ -85,14 +85,17 @@ def product_speed(k: int, n: int, bits: int, threads: int, reps: int,
     have it)."""
     ext = _qmatmul.extension()
     assert ext is not None
-    one = n * k * bits // 8 + 2 * 2 * n * (k // 32)
-    copies = max(1, min(1024, -(-256_000_000 // one))) if from_memory else 1
-    reps = max(reps, copies)
-    weights = []
-    for _ in range(copies):
+    def make() -> tuple[mx.array, mx.array, mx.array]:
         w, s, b = mx.quantize(mx.random.normal((n, k)) * 0.05, group_size=32, bits=bits)
-        weights.append((w, s.astype(mx.float16), b.astype(mx.float16)))
-        mx.eval(*weights[-1])
+        arrays = (w, s.astype(mx.float16), b.astype(mx.float16))
+        mx.eval(*arrays)
+        return arrays
+
+    weights = [make()]
+    one = sum(a.nbytes for a in weights[0])
+    copies = max(1, min(1024, -(-256_000_000 // one))) if from_memory else 1
+    weights += [make() for _ in range(copies - 1)]
+    reps = max(reps, copies)
     xs = [mx.random.normal((1, 1, k)) for _ in range(reps)]
     mx.eval(*xs)
     ext.set_thread_limit(threads)

@@ -103,17 +103,6 @@ uint32_t next_u32() {  // xorshift64*
 }
 
 AVX2_FMA_F16C uint16_t to_half(float f) { return _cvtss_sh(f, 0); }
-AVX2_FMA_F16C float from_half(uint16_t h) { return _cvtsh_ss(h); }
-
-// MLX's packing: element i's `bits` bits at bit i * bits of the row.
-int code_at(const uint8_t* row, int bits, int i) {
-  int v = 0;
-  for (int b = 0; b < bits; ++b) {
-    const int bit = i * bits + b;
-    v |= ((row[bit >> 3] >> (bit & 7)) & 1) << b;
-  }
-  return v;
-}
 
 struct Layout {
   int bits, group;
@@ -134,8 +123,8 @@ double reference_row(const Layout& l, int K, int n, const std::vector<float>& x)
   const int offset = 1 << (l.bits - 1);
   double sum = 0.0;
   for (int i = 0; i < K; ++i) {
-    const double s = from_half(l.scales[static_cast<size_t>(n) * (K / l.group) + i / l.group]);
-    sum += s * (code_at(row, l.bits, i) - offset) * x[i];
+    const double s = half_to_float(l.scales[static_cast<size_t>(n) * (K / l.group) + i / l.group]);
+    sum += s * (weight_value(row, l.bits, i) - offset) * x[i];
   }
   return sum;
 }
@@ -175,8 +164,8 @@ bool check(const char* what, const std::vector<float>& out, const Layout& l, int
     double scale = 0.0;  // the products' magnitude, which the activations' int16 rounding scales with
     const uint8_t* row = l.w.data() + static_cast<size_t>(n) * K * l.bits / 8;
     for (int i = 0; i < K; ++i) {
-      scale += std::fabs(from_half(l.scales[static_cast<size_t>(n) * (K / l.group) + i / l.group]) *
-                         (code_at(row, l.bits, i) - (1 << (l.bits - 1))) * x[i]);
+      scale += std::fabs(half_to_float(l.scales[static_cast<size_t>(n) * (K / l.group) + i / l.group]) *
+                         (weight_value(row, l.bits, i) - (1 << (l.bits - 1))) * x[i]);
     }
     if (std::fabs(out[n] - want) > 1e-4 * scale + 1e-6) {
       std::printf("%s: row %d is %.7g, the reference %.7g\n", what, n, out[n], want);
