@@ -109,7 +109,7 @@ def qmm_extensions() -> list:
     return [
         Extension(
             "afm_core._mlx.qmm_ext",
-            [str(src / "qmm_kernels.cpp"), str(src / "attention_kernels.cpp"),
+            [str(src / "qmm_kernels.cpp"), str(src / "kquant_kernels.cpp"), str(src / "attention_kernels.cpp"),
              str(src / "layer_ops.cpp"), str(src / "quantized_attention.cpp"),
              str(src / "prefill_attention.cpp"), str(src / "qmm_ext.cpp"),
              str(src / "nb_lib.cpp")],

@@ -2,11 +2,12 @@
 // interleaved in one process, so this machine's drift (±20% minutes apart)
 // falls on both alike.  For kernel changes whose gain is smaller than the
 // noise between runs.  Each build is ext/qmm/qmm_kernels.cpp as a shared
-// library (from two checkouts, or a copy with the change):
+// library (from two checkouts, or a copy with the change; with its
+// kquant_kernels.cpp where the checkout has one):
 //
 //     git show HEAD~1:ext/qmm/qmm_x86.inc > /tmp/a/qmm_x86.inc   # ... the files that differ
-//     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/a.so /tmp/a/qmm_kernels.cpp
-//     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/b.so ext/qmm/qmm_kernels.cpp
+//     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/a.so /tmp/a/qmm_kernels.cpp /tmp/a/kquant_kernels.cpp
+//     g++ -O3 -std=c++20 -fwrapv -fPIC -shared -o /tmp/b.so ext/qmm/qmm_kernels.cpp ext/qmm/kquant_kernels.cpp
 //     g++ -O3 -std=c++20 -Iext/qmm -Ibenchmarks -o /tmp/qmm_ab benchmarks/qmm_ab.cpp -ldl -lpthread
 //     /tmp/qmm_ab K N BITS THREADS SYMMETRIC [REPS [MB [ISA]]] /tmp/a.so /tmp/b.so [more.so ...]
 //

@@ -27,7 +27,7 @@
 // prints each path's error against the float64 product with the float
 // activations: the price of int8 activations per 256.
 //
-//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -Ibenchmarks -o /tmp/qmm_kquant_probe benchmarks/qmm_kquant_probe.cpp -lpthread
+//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -Ibenchmarks -o /tmp/qmm_kquant_probe benchmarks/qmm_kquant_probe.cpp ext/qmm/kquant_kernels.cpp -lpthread
 //     /tmp/qmm_kquant_probe [reps]
 //
 // Needs an x86-64 CPU with AVX2, FMA and F16C.

@@ -18,7 +18,7 @@
 // MB), so they come from memory, as in a decode step; 1 and 2 threads,
 // each thread a share of the output rows, as afm's pool splits them.
 //
-//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -Ibenchmarks -o /tmp/qmm_layout_probe benchmarks/qmm_layout_probe.cpp -lpthread
+//     g++ -O3 -std=c++20 -fwrapv -Iext/qmm -Ibenchmarks -o /tmp/qmm_layout_probe benchmarks/qmm_layout_probe.cpp ext/qmm/kquant_kernels.cpp -lpthread
 //     /tmp/qmm_layout_probe
 //
 // Needs an x86-64 CPU with AVX2, FMA and F16C.  Prints, per shape and thread

@@ -89,6 +89,7 @@ class _Extension(Protocol):
     def set_gemm_rows(self, n: int) -> None: ...
     def gemm_rows(self) -> int: ...
     def set_activation_bits(self, bits: int) -> None: ...
+    def set_kquant_activation_bits(self, bits: int) -> None: ...
     def decode_attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
                          mask: mx.array | None = None, causal: bool = False, length: int = -1,
                          merge_heads: bool = False) -> mx.array: ...
@@ -126,6 +127,11 @@ _SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
 """The affine bit widths the kernels cover (MLX's 1-bit layout stays on MLX)."""
 KERNEL_GROUPS = (32, 64, 128)
+KQUANT_GROUP = 256
+"""``group_size`` of a layer whose weight is GGUF's K-quant blocks as they are
+(``afm_core._mlx.kquant``; ``bits`` 4: Q4_K, 6: Q6_K): uint8 rows of whole
+blocks of 256 values, its scales and biases empty (the blocks hold them)."""
+KQUANT_BLOCK_BYTES = {4: 144, 6: 210}
 
 
 def extension() -> _Extension | None:
@@ -149,9 +155,26 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def is_kquant(layer: Any) -> bool:
+    """Whether ``layer``'s weight is GGUF's K-quant blocks (:data:`KQUANT_GROUP`)."""
+    return getattr(layer, "group_size", None) == KQUANT_GROUP
+
+
+def input_dims(layer: Any) -> int:
+    """The number of inputs of a quantized linear layer (its rows' values)."""
+    width = int(layer["weight"].shape[-1])
+    if is_kquant(layer):
+        return width // KQUANT_BLOCK_BYTES[int(layer.bits)] * KQUANT_GROUP
+    return width * 32 // int(layer.bits)
+
+
 def supports(w: mx.array, scales: mx.array, biases: mx.array | None,
              group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether the kernels cover this layout (the device aside)."""
+    if group_size == KQUANT_GROUP:
+        return (mode == "affine" and bits in KQUANT_BLOCK_BYTES and w.ndim == 2 and w.dtype == mx.uint8
+                and w.shape[1] % KQUANT_BLOCK_BYTES[bits] == 0 and scales.size == 0
+                and biases is not None and biases.size == 0)
     return (mode == "affine" and biases is not None and bits in KERNEL_BITS
             and group_size in KERNEL_GROUPS and w.ndim == 2 and w.dtype == mx.uint32
             and scales.dtype in _SCALE_TYPES and biases.dtype == scales.dtype
@@ -194,6 +217,8 @@ def symmetric_factor(scales: mx.array, biases: mx.array, bits: int) -> mx.array 
     same float32 values), so a one-row product reads 2 bytes a group fewer:
     6-10% of a 4-8 bit weight's bytes."""
     c = -(1 << (bits - 1))
+    if scales.size == 0:  # K-quant blocks: no scales here to make biases from
+        return None
     if biases.shape != scales.shape or biases.dtype != scales.dtype or scales.dtype not in _SCALE_TYPES:
         return None
     # the kernels' float32 c * scale against the biases as float32: equal, or not symmetric

@@ -49,6 +49,7 @@
 
 #include "attention_kernels.h"
 #include "cpu_task.h"
+#include "kquant_kernels.h"
 #include "prefill_attention.h"
 #include "qmm_kernels.h"
 #include "quantized_attention.h"
@@ -342,6 +343,23 @@ int act_passes() {
   return v;
 }
 
+// The K-quant products' activation passes (AFM_KQUANT_ACT_BITS, default 8:
+// one int8 pass per 256 values, llama.cpp's Q8_K and precision for these
+// blocks).  Two passes (16) cost as many multiplies again, which is what
+// makes the integer sub-scales pay in the first place: the 1.5B's products
+// were 1.1-1.5x faster than the MLX layout's with 16-bit activations at
+// one pass, 0.9-1.3x at two (benchmarks/README.md, twelfth stop).
+std::atomic<int> g_kquant_passes{-1};
+
+int kquant_passes() {
+  int v = g_kquant_passes.load();
+  if (v < 0) {
+    v = env_int("AFM_KQUANT_ACT_BITS", 8) <= 8 ? 1 : 2;
+    g_kquant_passes.store(v);
+  }
+  return v;
+}
+
 // Rows from which a product goes through sgemm (set_gemm_rows; -1: the
 // default).  The default is AFM_QMM_GEMM_ROWS, else where the kernel set in
 // use stops beating dequantize + sgemm: 64 rows for avx512-vnni (a decode step
@@ -384,14 +402,15 @@ void gemm_columns(Sgemm sgemm, const float* x, int M, const QWeights& wt, int n0
     const int rows = t1 - t0;
     const int threads = std::min(pool_threads(p, static_cast<double>(rows) * K, 100000.0), rows);
     float* const tp = tile.data();  // (the jobs run on other threads: not the thread_local)
+    const DequantizeFn dequantize = wt.kquant != 0 ? kquant_dequantize_rows : ks.dequantize;
     if (threads <= 1) {
-      ks.dequantize(wt, t0, t1, tp);
+      dequantize(wt, t0, t1, tp);
     } else {
       const int chunks = std::min(rows, 4 * threads);
       const std::function<void(int)> job = [&](int c) {
         const int r0 = t0 + static_cast<int>(static_cast<int64_t>(rows) * c / chunks);
         const int r1 = t0 + static_cast<int>(static_cast<int64_t>(rows) * (c + 1) / chunks);
-        ks.dequantize(wt, r0, r1, tp + static_cast<size_t>(r0 - t0) * K);
+        dequantize(wt, r0, r1, tp + static_cast<size_t>(r0 - t0) * K);
       };
       p.run(threads, chunks, job);
     }
@@ -493,6 +512,16 @@ Operands operands(const mx::array& x, const mx::array& w, const mx::array& scale
   thread_local std::vector<uint16_t> scopy16, bcopy16;
   thread_local std::vector<float> scopy32, bcopy32;
   QWeights& wt = o.wt;
+  if (group == kKQuantBlock) {  // GGUF's K-quant blocks (checked_stream): no scales or biases
+    thread_local std::vector<uint8_t> bcopy;
+    wt.w = contiguous_2d<uint8_t>(w, bcopy);
+    wt.kquant = bits;
+    wt.N = w.shape(0);
+    wt.K = K;
+    wt.group = group;
+    wt.bits = bits;
+    return o;
+  }
   wt.w = reinterpret_cast<const uint8_t*>(contiguous_2d<uint32_t>(w, wcopy));
   wt.scale_type = scale_type(scales.dtype());
   if (wt.scale_type == ScaleType::f32) {
@@ -526,8 +555,66 @@ Sgemm sgemm_for(int M) {
   return sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows() ? sgemm : nullptr;
 }
 
+// The output rows [0, N) of a product split over the pool's threads in
+// chunks of whole multiples of 8 rows, range(n0, n1) computing each.
+void split_rows(Pool& p, int threads, int N, const std::function<void(int, int)>& range) {
+  if (threads == 1) {
+    range(0, N);
+    return;
+  }
+  const int units = (N + 7) / 8;
+  const int chunks = std::min(units, 8 * threads);
+  const std::function<void(int)> job = [&](int c) {
+    const int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * c / chunks) * 8);
+    const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * (c + 1) / chunks) * 8);
+    if (n0 < n1) range(n0, n1);
+  };
+  p.run(threads, chunks, job);
+}
+
+// The threads a product of M x N x K multiply-adds takes.  Below 100k
+// (AFM_QMM_POOL_MIN_WORK) a hand-off costs more than it saves.  With workers
+// that sleep at once, waking one takes tens of microseconds, as long as a
+// decode-size product, and a million was the threshold (an AVX-512 machine:
+// 75.2 tok/s against 73.3 at 200k).  With the pool's short spin, the default
+// model's q/k/v (0.55M), output (0.33M) and MLP-down (0.88M) products of one
+// row split in two too (alone, with a spinning worker: 48 -> 34, 31 -> 25 and
+// 73 -> 37 us); the step: see the spin's comment.
+int product_threads(Pool& p, int M, int N, int K) {
+  static const int min_work = env_int("AFM_QMM_POOL_MIN_WORK", 100000);
+  return std::min(pool_threads(p, static_cast<double>(M) * N * K, min_work), std::max(N, 1));
+}
+
+// integer_product for a K-quant weight (kquant_kernels.h): the activations as
+// Q8_K rows (quantized on this thread: a decode step's few rows of K), then
+// the kernel set's K-quant kernel over the output rows.
+void kquant_product(const float* xp, int M, const QWeights& wt, float* y) {
+  const int K = wt.K, N = wt.N;
+  const int passes = kquant_passes();
+  const int MQ = M * passes;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int16_t> bsums;
+  QActs a;
+  a.q = aligned64(q, static_cast<size_t>(MQ) * K);
+  a.d = aligned64(d, static_cast<size_t>(MQ) * (K / kKQuantBlock));
+  a.bsums = aligned64(bsums, static_cast<size_t>(MQ) * (K / 16));
+  a.M = MQ;
+  a.K = K;
+  a.passes = passes;
+  kquant_quantize_rows(xp, K, passes, const_cast<int8_t*>(a.q), const_cast<float*>(a.d),
+                       const_cast<int16_t*>(a.bsums), 0, M);
+  const RangeKernel range = kernels().kquant_range;
+  Pool& p = pool();
+  split_rows(p, product_threads(p, M, N, K), N, [&](int n0, int n1) { range(a, wt, y, n0, n1); });
+}
+
 // y (M x N, float32, dense) = x @ dequantize(w).T on the integer kernels.
 void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
+  if (wt.kquant != 0) {
+    if (M > 0 && wt.N > 0) kquant_product(xp, M, wt, y);
+    return;
+  }
   const int K = wt.K, N = wt.N, group = wt.group, bits = wt.bits;
   const int nb = K / 32, ng = K / group;
   if (M == 0 || N == 0) return;
@@ -558,17 +645,7 @@ void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
   const KernelSet& ks_set = kernels();
 
   Pool& p = pool();
-  // Below 100k multiply-adds (AFM_QMM_POOL_MIN_WORK) a hand-off costs more
-  // than it saves.  With workers that sleep at once, waking one takes tens
-  // of microseconds, as long as a decode-size product, and a million was the
-  // threshold (an AVX-512 machine: 75.2 tok/s against 73.3 at 200k).  With
-  // the short spin above, the default model's q/k/v (0.55M), output (0.33M)
-  // and MLP-down (0.88M) products of one row split in two too (alone, with a
-  // spinning worker: 48 -> 34, 31 -> 25 and 73 -> 37 us); the step: see the
-  // spin's comment.
-  static const int min_work = env_int("AFM_QMM_POOL_MIN_WORK", 100000);
-  int threads = pool_threads(p, static_cast<double>(M) * N * K, min_work);
-  if (threads > N) threads = N;
+  const int threads = product_threads(p, M, N, K);
 
   // Both stages are split into chunks claimed by whichever thread is free
   // (Pool::run): several per thread, so a late worker costs little.
@@ -583,20 +660,7 @@ void integer_product(const float* xp, int M, const QWeights& wt, float* y) {
     };
     p.run(threads, chunks, quant);
   }
-  if (threads == 1) {
-    ks_set.range(a, wt, y, 0, N);
-  } else {
-    // chunks of whole multiples of 8 output rows
-    const int units = (N + 7) / 8;
-    const int chunks = std::min(units, 8 * threads);
-    const std::function<void(int)> job = [&](int c) {
-      const int n0 = std::min(N, static_cast<int>(static_cast<int64_t>(units) * c / chunks) * 8);
-      const int n1 =
-          std::min(N, static_cast<int>(static_cast<int64_t>(units) * (c + 1) / chunks) * 8);
-      if (n0 < n1) ks_set.range(a, wt, y, n0, n1);
-    };
-    p.run(threads, chunks, job);
-  }
+  split_rows(p, threads, N, [&](int n0, int n1) { ks_set.range(a, wt, y, n0, n1); });
 }
 
 // out[m, :] = y[m, start : start + n] (+ bias), in out's dtype (rounded to
@@ -839,9 +903,45 @@ class AfmQuantizedMatmul : public mx::Primitive {
   bool rope_traditional_;
 };
 
+// The CPU stream of the default device, and x's dtype checked.
+mx::Stream cpu_stream(const mx::array& x) {
+  const mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("afm qmm: the default device must be the CPU");
+  }
+  const mx::Dtype out_type = x.dtype();
+  if (out_type != mx::float32 && out_type != mx::float16 && out_type != mx::bfloat16) {
+    throw std::invalid_argument("afm qmm: x must be float32, float16 or bfloat16");
+  }
+  return stream;
+}
+
+// group_size 256: w is GGUF's K-quant blocks as uint8 rows (bits 4: Q4_K,
+// 6: Q6_K; kquant_kernels.h); scales and biases are not read.
+mx::Stream checked_kquant_stream(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                 const mx::array& biases, int bits) {
+  const int bytes = kquant_block_bytes(bits);
+  if (bytes == 0) {
+    throw std::invalid_argument("afm qmm: group_size 256 (K-quant blocks) needs bits 4 (Q4_K) or 6 (Q6_K)");
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint8 || w.shape(1) % bytes != 0) {
+    throw std::invalid_argument("afm qmm: K-quant blocks must be a 2-D uint8 array of whole blocks a row");
+  }
+  // (a layer's own are empty, (N, 0); 0-d ones are accepted too)
+  if ((scales.size() != 0 && scales.ndim() != 0) || (biases.size() != 0 && biases.ndim() != 0)) {
+    throw std::invalid_argument(
+        "afm qmm: K-quant blocks hold their scales: scales and biases must be empty or 0-d (not read)");
+  }
+  if (x.ndim() < 1 || x.shape(-1) != w.shape(1) / bytes * kKQuantBlock) {
+    throw std::invalid_argument("afm qmm: x's last dimension does not match w");
+  }
+  return cpu_stream(x);
+}
+
 // The checks every product makes of its operands; the CPU stream it runs on.
 mx::Stream checked_stream(const mx::array& x, const mx::array& w, const mx::array& scales,
                           const mx::array& biases, int group_size, int bits) {
+  if (group_size == kKQuantBlock) return checked_kquant_stream(x, w, scales, biases, bits);
   if (bits < 2 || bits > 8 || bits == 7) {
     throw std::invalid_argument("afm qmm: bits must be 2, 3, 4, 5, 6 or 8");
   }
@@ -867,15 +967,7 @@ mx::Stream checked_stream(const mx::array& x, const mx::array& w, const mx::arra
   }
   (void)scale_type(biases.dtype());
   (void)scale_type(scales.dtype());
-  const mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument("afm qmm: the default device must be the CPU");
-  }
-  const mx::Dtype out_type = x.dtype();
-  if (out_type != mx::float32 && out_type != mx::float16 && out_type != mx::bfloat16) {
-    throw std::invalid_argument("afm qmm: x must be float32, float16 or bfloat16");
-  }
-  return stream;
+  return cpu_stream(x);
 }
 
 // A product's norm prologue: rms_norm(x, weight, eps) is the product's input.
@@ -1303,6 +1395,11 @@ NB_MODULE(qmm_ext, m) {
         "bits"_a, "8: activations rounded to int8; 16 (default, AFM_QMM_ACT_BITS): the "
         "precision of int8 plus an int8 remainder (one int16 product on the x86 sets, two int8 "
         "products elsewhere).");
+  m.def("set_kquant_activation_bits",
+        [](int bits) { afm_qmm::g_kquant_passes.store(bits <= 8 ? 1 : 2); }, "bits"_a,
+        "Activations of the products with K-quant blocks (group_size 256): 8 (default, "
+        "AFM_KQUANT_ACT_BITS) int8 per 256 values, llama.cpp's Q8_K; 16 an int8 remainder "
+        "pass as well.");
   m.def("num_threads", [] { return afm_qmm::pool().size(); },
         "Threads of the pool (AFM_QMM_THREADS, default: the physical cores this process may "
         "use, within a cgroup CPU quota, at most 16).");

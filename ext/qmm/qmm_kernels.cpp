@@ -5,6 +5,8 @@
 // qmm_kernels.h.
 #include "qmm_kernels.h"
 
+#include "kquant_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -25,6 +27,15 @@
 #endif
 
 namespace afm_qmm {
+
+int prefetch_bytes() {
+  static const int bytes = [] {
+    const char* e = std::getenv("AFM_QMM_PREFETCH");
+    return e != nullptr && *e ? std::atoi(e) : 2048;
+  }();
+  return bytes;
+}
+
 namespace {
 
 float* thread_scratch(size_t n) {
@@ -284,10 +295,7 @@ static inline void row_dot(const uint8_t* w, const float* s, int nb, int shift,
 // (_mm_prefetch): the weight rows follow each other, so this runs into the
 // next rows.  The hardware prefetchers alone left one core at 5-6 GB/s on a
 // 146 MB output head (1 row) where a plain read loop reaches 17.
-const int kPrefetch = [] {
-  const char* e = std::getenv("AFM_QMM_PREFETCH");
-  return e != nullptr && *e ? std::atoi(e) : 2048;
-}();
+const int kPrefetch = prefetch_bytes();
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -358,21 +366,24 @@ struct Available {
   KernelSet sets[6];
   int count = 0;
   Available() {
-    sets[count++] = {scalar::range, "scalar", quantize_rows, dequantize_rows};
+    sets[count++] = {scalar::range, "scalar", quantize_rows, dequantize_rows, kquant_range_scalar};
 #if QMM_NEON
-    sets[count++] = {neon::range, "neon", quantize_rows, dequantize_rows};
+    sets[count++] = {neon::range, "neon", quantize_rows, dequantize_rows, kquant_range_scalar};
 #endif
 #if QMM_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      sets[count++] = {avx2::range, "avx2", avx2::quantize, avx2::dequantize};
+      // (the K-quant products have an AVX2 kernel, which every set here runs)
+      sets[count++] = {avx2::range, "avx2", avx2::quantize, avx2::dequantize, kquant_range_avx2};
       if (__builtin_cpu_supports("avxvnni")) {
-        sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize, avxvnni::dequantize};
+        sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize, avxvnni::dequantize,
+                         kquant_range_avx2};
       }
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
-        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize, vnni::dequantize};
-        sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize, avx2::dequantize};
+        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize, vnni::dequantize, kquant_range_avx2};
+        sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize, avx2::dequantize,
+                         kquant_range_avx2};
       }
     }
 #endif

@@ -49,6 +49,9 @@ struct QActs {
   const int8_t* q = nullptr;  // [M][K], each block of 32 in block_element order
   const float* d = nullptr;   // [M][K/32] block scales
   const float* xsum = nullptr;  // [M][K/group] exact sums of x per group
+  // K-quant weights (kquant_kernels.h): d is [M][K/256], bsums [M][K/16] the
+  // sums of the codes per 16, and xsum is not used.
+  const int16_t* bsums = nullptr;
   int M = 0, K = 0;  // M: quantized rows, `passes` per output row
   int passes = 1;    // 2: rows 2m, 2m + 1 are one row's int8 and its remainder
 };
@@ -65,6 +68,10 @@ struct QWeights {
   // same float32 values where the stored biases are exactly factor * scale),
   // and the weight's bias plane is not read.
   float bias_factor = 0.0f;
+  // Nonzero: w holds GGUF's K-quant blocks as they are (4: Q4_K, 6: Q6_K;
+  // kquant_kernels.h), K / 256 blocks a row, and scales, biases, group and
+  // bits are not read.
+  int kquant = 0;
 };
 
 // Quantize rows [m0, m1) of x (row m at x + row_offset(m), elements `kstride`
@@ -98,7 +105,12 @@ struct KernelSet {
   const char* name;
   QuantizeFn quantize;  // the activations for `range`
   DequantizeFn dequantize;  // dequantize_rows's values (the sgemm path's tiles)
+  RangeKernel kquant_range;  // `range` for K-quant weights (kquant_kernels.h)
 };
+
+// Bytes ahead of the weights in use that the x86 kernels prefetch
+// (AFM_QMM_PREFETCH, default 2048).
+int prefetch_bytes();
 
 // The best kernel set this CPU runs, or the one named by AFM_QMM_ISA
 // (scalar, avx2, avx-vnni, avx2-vnni, avx512-vnni, neon) if this CPU runs it.

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "ext" / "qmm"
-SOURCES = [str(SRC / "qmm_kernels.cpp"), str(SRC / "qmm_check.cpp")]
+SOURCES = [str(SRC / "qmm_kernels.cpp"), str(SRC / "kquant_kernels.cpp"), str(SRC / "qmm_check.cpp")]
 
 
 def _build_and_run(compiler: str, flags: list[str], out: Path, runner: list[str],
