@@ -231,7 +231,9 @@ def _dims(layer: Any) -> tuple[int, int] | None:
         return None
     out_dims, in_dims = layer["weight"].shape
     if isinstance(layer, nn.QuantizedLinear):
-        in_dims = in_dims * 32 // layer.bits
+        from .qmatmul import input_dims
+
+        in_dims = input_dims(layer)
     elif isinstance(layer, _TransposedLinear):
         in_dims, out_dims = out_dims, in_dims
     elif not isinstance(layer, nn.Linear):

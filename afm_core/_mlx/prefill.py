@@ -195,13 +195,14 @@ class PrefillCost:
         times their size, twice (the scores, then the weighted values)."""
         import mlx.nn as nn
 
+        from .qmatmul import input_dims
+
         per_token = 0.0
         layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
         for layer in layers:
             for _, m in layer.named_modules():
                 if isinstance(m, nn.QuantizedLinear):
-                    rows, words = m.weight.shape
-                    per_token += rows * words * 32 / m.bits
+                    per_token += m.weight.shape[0] * input_dims(m)
                 elif isinstance(m, nn.Linear):
                     per_token += m.weight.size
         args = getattr(model, "args", None)

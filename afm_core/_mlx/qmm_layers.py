@@ -48,6 +48,8 @@ def restore_qmm(model: nn.Module) -> int:
     ungroup_siblings(model)
     changed = 0
     for _, layer in model.named_modules():
+        if _qmm.is_kquant(layer):
+            continue  # its blocks have no MLX layer to go back to (afm_core._mlx.kquant)
         if isinstance(layer, (_qmm._FastQuantizedLinear, _qmm._FastQuantizedEmbedding)):
             _qmm.forget_symmetric(layer)
             layer.__class__ = layer.__class__.__mro__[1]

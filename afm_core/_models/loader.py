@@ -30,12 +30,24 @@ class ModelInfo:
 
 
 def load(path: Path) -> tuple[Any, Any, ModelInfo]:
-    """``(model, tokenizer, info)``; runs on the generation thread."""
+    """``(model, tokenizer, info)``; runs on the generation thread.  A GGUF
+    conversion's K-quant blocks (:data:`~.gguf.convert.KQUANT_FILE`) replace
+    the MLX layout of their layers where afm's CPU kernels run
+    (:mod:`afm_core._mlx.kquant`), before anything is read."""
+    import mlx.core as mx
     import mlx_lm
 
+    from .._mlx.kquant import kquant_wanted, use_kquant_blocks
+    from .gguf.convert import KQUANT_FILE
+
+    blocks = Path(path) / KQUANT_FILE
+    lazy = blocks.is_file() and kquant_wanted()
     try:
         # mlx-lm annotates a 2- or 3-tuple; without return_config it is always 2
-        model, tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
+        model, tokenizer = mlx_lm.load(str(path), lazy=lazy)  # type: ignore[misc]
+        if lazy:
+            use_kquant_blocks(model, blocks)
+            mx.eval(model.parameters())
     except Exception as exc:  # any failure surfaces as a typed error
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
     drop_token_map(tokenizer)

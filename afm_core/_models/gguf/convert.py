@@ -17,6 +17,13 @@ half-written model behind.
   values).
 * Float tensors (F32, F16, BF16) keep their values, stored as ``dtype``
   (float32 by default: MLX's fast CPU type; the cast is exact).
+* K-quant blocks as they are: the Q4_K and Q6_K matrices of linear layers
+  (rows a multiple of 256 values; not the embedding) are also written,
+  byte for byte GGUF's blocks in the model's row order, to
+  ``kquant.safetensors`` (:data:`KQUANT_FILE`), which mlx-lm does not read:
+  afm's loader gives those layers to the CPU kernels that compute on the
+  blocks themselves (``afm_core._mlx.kquant``), and the MLX layout beside
+  them stays for Metal and for every other reader.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from .tokenizer import build_tokenizer_files
 __all__ = [
     "CONVERTER_VERSION",
     "DEFAULT_SCALE_DTYPE",
+    "KQUANT_FILE",
+    "KQUANT_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "auto_dequantize",
@@ -52,7 +61,11 @@ __all__ = [
 ]
 
 #: Bumped whenever the output of the converter changes (cache keys use it).
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+#: The K-quant blocks' file in a converted directory, and the types it holds.
+KQUANT_FILE = "kquant.safetensors"
+KQUANT_TYPES = ("Q4_K", "Q6_K")
+_KQUANT_BLOCK = 256
 SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *RELAID_TYPES)
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -144,6 +157,18 @@ class _Writer:
         self.out: dict[str, Any] = {}
         self.bits: dict[str, int] = {}
         self.relaid: Counter[str] = Counter()
+        self.kquant: dict[str, Any] = {}  # module.weight: GGUF's blocks (uint8 rows)
+        self.kquant_types: dict[str, str] = {}  # module: its type
+
+    def add_kquant(self, module: str, t: TensorInfo, blocks: np.ndarray, order: np.ndarray | None) -> None:
+        """Keep a linear layer's Q4_K / Q6_K blocks as they are, one uint8 row
+        per output row (rows are independent: the row order applies as is)."""
+        rows = int(np.prod(t.shape[:-1]))
+        data = np.asarray(blocks).reshape(rows, -1)
+        if order is not None:
+            data = data[order]
+        self.kquant[f"{module}.weight"] = self.mx.array(np.ascontiguousarray(data))
+        self.kquant_types[module] = t.type_name
 
     def add_float(self, name: str, value: np.ndarray) -> None:
         self.out[name] = self.mx.array(np.ascontiguousarray(value)).astype(self.dtype)
@@ -190,8 +215,12 @@ def convert_weights(
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
     q6k_bits: int = 8,
     arch: Architecture | None = None,
+    kquant: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(mlx-lm weights, quantization config or None) from a GGUF file's tensors."""
+    """(mlx-lm weights, quantization config or None) from a GGUF file's tensors.
+    With ``kquant`` (a dict), the linear layers' Q4_K and Q6_K blocks also
+    go into it as they are (``module.weight``: uint8 rows), and their types
+    into ``kquant["__types__"]`` (module: type name)."""
     if dtype not in _DTYPES or scale_dtype not in _DTYPES:
         raise ValueError(f"dtype and scale_dtype must be one of {_DTYPES}")
     arch = arch or get_architecture(info.architecture, info.path)
@@ -203,8 +232,13 @@ def convert_weights(
         order = arch.row_order(name, config)
         quantized = t.type_name not in FLOAT_TYPES
         if quantized and not dequantize and len(t.shape) >= 2 and name.endswith(".weight"):
-            q = to_mlx(tensor_bytes(info, t), t.type_name, t.shape, q6k_bits=q6k_bits)
-            w.add_quant(name[: -len(".weight")], t, q, order)
+            module = name[: -len(".weight")]
+            blocks = tensor_bytes(info, t)
+            q = to_mlx(blocks, t.type_name, t.shape, q6k_bits=q6k_bits)
+            w.add_quant(module, t, q, order)
+            if (kquant is not None and t.type_name in KQUANT_TYPES and len(t.shape) == 2
+                    and t.shape[-1] % _KQUANT_BLOCK == 0 and not module.endswith("embed_tokens")):
+                w.add_kquant(module, t, blocks, order)
             continue
         value = arch.transform_float(name, _float_values(info, t))
         if order is not None:
@@ -214,6 +248,9 @@ def convert_weights(
         w.add_float(name, value)
     if "model.embed_tokens.weight" not in w.out:
         raise GGUFError(f"{info.path}: no token_embd.weight tensor")
+    if kquant is not None:
+        kquant.update(w.kquant)
+        kquant["__types__"] = w.kquant_types
     return w.out, w.quantization()
 
 
@@ -252,9 +289,11 @@ def convert_gguf(
         f"tensors {dict(sorted(types.items()))}"
     )
     tok_files = build_tokenizer_files(info.metadata)
+    kquant: dict[str, Any] = {}
     weights, quant = convert_weights(info, config, dequantize=dequantize or quantize is not None,
                                      dtype=dtype, scale_dtype=scale_dtype, q6k_bits=q6k_bits,
-                                     arch=arch)
+                                     arch=arch, kquant=kquant)
+    kquant_types: dict[str, str] = kquant.pop("__types__", {})
     if quantize is not None:
         weights, quant = requantize(weights, quantize)
     config["torch_dtype"] = dtype
@@ -275,6 +314,10 @@ def convert_gguf(
         os.chmod(tmp, 0o777 & ~umask)
         say(f"writing {len(weights)} tensors ({'dequantized ' if quant is None else ''}{dtype})")
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        if kquant:
+            say(f"writing the K-quant blocks of {len(kquant)} layers")
+            mx.save_safetensors(str(tmp / KQUANT_FILE), kquant,
+                                metadata={"format": "afm-kquant", **kquant_types})
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", gen)
         for name, doc in tok_files.items():
