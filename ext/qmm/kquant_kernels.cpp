@@ -3,6 +3,8 @@
 // on x86-64, an AVX2 one chosen at run time (every x86 kernel set uses it).
 #include "kquant_kernels.h"
 
+#include "half.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -15,28 +17,6 @@
 
 namespace afm_qmm {
 namespace {
-
-float half_value(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {
-    exp = 113;
-    while ((man & 0x400u) == 0) {
-      man <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
@@ -134,7 +114,7 @@ void kquant_dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
       const uint8_t* blk = wt.w + static_cast<size_t>(n) * row_bytes(wt) + static_cast<size_t>(b) * bytes;
       float* out = dst + static_cast<size_t>(n - n0) * K + static_cast<size_t>(b) * kKQuantBlock;
       if (wt.kquant == 4) {
-        const float dw = half_value(load_u16(blk)), dmin = half_value(load_u16(blk + 2));
+        const float dw = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
         uint8_t sm[16];
         q4k_scales_mins(blk + kQ4Scales, sm);
         q4k_codes(blk, q);
@@ -143,7 +123,7 @@ void kquant_dequantize_rows(const QWeights& wt, int n0, int n1, float* dst) {
           for (int i = 32 * j; i < 32 * j + 32; ++i) out[i] = scale * static_cast<float>(q[i]) - min;
         }
       } else {
-        const float dw = half_value(load_u16(blk + kQ6D));
+        const float dw = half_to_float(load_u16(blk + kQ6D));
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + kQ6Scales);
         q6k_codes(blk, q);
         for (int g = 0; g < 16; ++g) {
@@ -183,8 +163,8 @@ void kquant_range_scalar(const QActs& a, const QWeights& wt, float* out, int n0,
               sumi += sm[j] * dot;
               summ += sm[8 + j] * (xs[16 * b + 2 * j] + xs[16 * b + 2 * j + 1]);
             }
-            acc += half_value(load_u16(blk)) * xd[b] * static_cast<float>(sumi);
-            acc -= half_value(load_u16(blk + 2)) * xd[b] * static_cast<float>(summ);
+            acc += half_to_float(load_u16(blk)) * xd[b] * static_cast<float>(sumi);
+            acc -= half_to_float(load_u16(blk + 2)) * xd[b] * static_cast<float>(summ);
           } else {
             const int8_t* sc = reinterpret_cast<const int8_t*>(blk + kQ6Scales);
             q6k_codes(blk, q);
@@ -194,7 +174,7 @@ void kquant_range_scalar(const QActs& a, const QWeights& wt, float* out, int n0,
               for (int i = 16 * g; i < 16 * g + 16; ++i) dot += (q[i] - 32) * x[i];
               sumi += sc[g] * dot;
             }
-            acc += half_value(load_u16(blk + kQ6D)) * xd[b] * static_cast<float>(sumi);
+            acc += half_to_float(load_u16(blk + kQ6D)) * xd[b] * static_cast<float>(sumi);
           }
         }
         total += acc;
@@ -242,6 +222,34 @@ const Shuffles kShuffles;
 
 inline __m256i shuffle(const int8_t* table) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(table)); }
 
+// A Q4_K block's 6-bit scales (bytes 0-7) and mins (8-15): four at a time in
+// general registers, then one vector (not through memory: four 32-bit stores
+// read back as one 128-bit load stall the store forwarding).
+inline __m128i q4k_scales_mins(const uint8_t* blk) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, blk + kQ4Scales, 4);
+  std::memcpy(&u1, blk + kQ4Scales + 4, 4);
+  std::memcpy(&u2, blk + kQ4Scales + 8, 4);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
+  const uint64_t scales = (u0 & low6) | static_cast<uint64_t>((u2 & low4) | (((u0 >> 6) & two) << 4)) << 32;
+  const uint64_t mins = (u1 & low6) | static_cast<uint64_t>(((u2 >> 4) & low4) | (((u1 >> 6) & two) << 4)) << 32;
+  return _mm_set_epi64x(static_cast<int64_t>(mins), static_cast<int64_t>(scales));
+}
+
+// Half h of a Q6_K block as four vectors of 32 codes (0..63): values
+// 128h + 32k .. + 31 in q[k].  Each code's two high bits move to bits 4-5
+// (16-bit shifts: the masks drop what crosses bytes).
+inline void q6k_half(const uint8_t* blk, int h, __m256i q[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+  const __m256i ql0 = load256(blk + 64 * h), ql1 = load256(blk + 64 * h + 32);
+  const __m256i qh = load256(blk + kQ6High + 32 * h);
+  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 inline void prefetch_block(const uint8_t* p, int bytes) {
   for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
@@ -253,7 +261,6 @@ inline void prefetch_block(const uint8_t* p, int bytes) {
 template <int R>
 void q6k_row(const uint8_t* wrow, int nb, int pf, const int8_t* const* xq, const float* const* xd,
              const int16_t* const* xb, float* res) {
-  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
@@ -270,16 +277,8 @@ void q6k_row(const uint8_t* wrow, int nb, int pf, const int8_t* const* xq, const
     const __m256i half_scales[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00),
                                     _mm256_permute2x128_si256(sc16, sc16, 0x11)};
     for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = load256(blk + 64 * h), ql1 = load256(blk + 64 * h + 32);
-      const __m256i qh = load256(blk + kQ6High + 32 * h);
-      // each code's two high bits moved to bits 4-5 (16-bit shifts: the mask drops what crosses bytes)
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-          _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
-      };
+      __m256i q[4];
+      q6k_half(blk, h, q);
       const __m256i sch = half_scales[h];
       for (int k = 0; k < 4; ++k) {
         const __m256i s = _mm256_shuffle_epi8(sch, shuffle(kShuffles.q6k[k]));
@@ -311,17 +310,7 @@ void q4k_row(const uint8_t* wrow, int nb, int pf, const int8_t* const* xq, const
   for (int b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + static_cast<size_t>(b) * 144;
     prefetch_block(blk + pf, 144);
-    // the 6-bit scales (bytes 0-7) and mins (8-15), four at a time in
-    // general registers, then one vector (not through memory: four 32-bit
-    // stores read back as one 128-bit load stall the store forwarding)
-    uint32_t u0, u1, u2;
-    std::memcpy(&u0, blk + kQ4Scales, 4);
-    std::memcpy(&u1, blk + kQ4Scales + 4, 4);
-    std::memcpy(&u2, blk + kQ4Scales + 8, 4);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
-    const uint64_t scales = (u0 & low6) | static_cast<uint64_t>((u2 & low4) | (((u0 >> 6) & two) << 4)) << 32;
-    const uint64_t mins_v = (u1 & low6) | static_cast<uint64_t>(((u2 >> 4) & low4) | (((u1 >> 6) & two) << 4)) << 32;
-    const __m128i sm = _mm_set_epi64x(static_cast<int64_t>(mins_v), static_cast<int64_t>(scales));
+    const __m128i sm = q4k_scales_mins(blk);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
     const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     const float dw = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
@@ -407,7 +396,56 @@ void range_kq(const QActs& a, const QWeights& wt, float* out, int n0, int n1) {
   }
 }
 
+// 32 codes (uint8) as float32, 8 a vector.
+inline void codes_as_floats(__m256i codes, __m256 v[4]) {
+  const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int p = 0; p < 4; ++p) v[p] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+}
+
 }  // namespace
+
+// kquant_dequantize_rows's values (the same float32 operations: a product
+// and a difference, never fused, as llama.cpp's and gguf's dequantization).
+void kquant_dequantize_rows_avx2(const QWeights& wt, int n0, int n1, float* dst) {
+  const int K = wt.K, nb = K / kKQuantBlock, bytes = kquant_block_bytes(wt.kquant);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m256 offset = _mm256_set1_ps(32.0f);
+  for (int n = n0; n < n1; ++n) {
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* blk = wt.w + static_cast<size_t>(n) * row_bytes(wt) + static_cast<size_t>(b) * bytes;
+      float* out = dst + static_cast<size_t>(n - n0) * K + static_cast<size_t>(b) * kKQuantBlock;
+      __m256 v[4];
+      if (wt.kquant == 4) {
+        alignas(16) uint8_t sm[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sm), q4k_scales_mins(blk));
+        const float dw = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+        for (int s = 0; s < 8; ++s) {  // sub-block s: the low (even s) or high nibbles of 32 bytes
+          const __m256i qs = load256(blk + kQ4Codes + 32 * (s / 2));
+          codes_as_floats(_mm256_and_si256(s % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), m4), v);
+          const __m256 scale = _mm256_set1_ps(dw * static_cast<float>(sm[s]));
+          const __m256 min = _mm256_set1_ps(dmin * static_cast<float>(sm[8 + s]));
+          for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 32 * s + 8 * p, _mm256_sub_ps(_mm256_mul_ps(scale, v[p]), min));
+        }
+      } else {
+        const float dw = _cvtsh_ss(load_u16(blk + kQ6D));
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + kQ6Scales);
+        for (int h = 0; h < 2; ++h) {
+          __m256i q[4];
+          q6k_half(blk, h, q);
+          for (int k = 0; k < 4; ++k) {
+            const int v0 = 128 * h + 32 * k;  // this chunk's first value; its scales: sc[v0 / 16], the next
+            codes_as_floats(q[k], v);
+            for (int p = 0; p < 4; ++p) {
+              const __m256 scale = _mm256_set1_ps(dw * static_cast<float>(sc[v0 / 16 + p / 2]));
+              _mm256_storeu_ps(out + v0 + 8 * p, _mm256_mul_ps(scale, _mm256_sub_ps(v[p], offset)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
 
 void kquant_range_avx2(const QActs& a, const QWeights& wt, float* out, int n0, int n1) {
   if (wt.kquant == 4) {

@@ -47,6 +47,7 @@ void kquant_dequantize_rows(const QWeights& wt, int n0, int n1, float* dst);
 void kquant_range_scalar(const QActs& a, const QWeights& wt, float* out, int n0, int n1);
 #if defined(__x86_64__) || defined(_M_X64)
 void kquant_range_avx2(const QActs& a, const QWeights& wt, float* out, int n0, int n1);
+void kquant_dequantize_rows_avx2(const QWeights& wt, int n0, int n1, float* dst);
 #endif
 
 }  // namespace afm_qmm

@@ -16,6 +16,8 @@
 // unpacking are shared.
 #include "prefill_attention.h"
 
+#include "half.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -93,27 +95,7 @@ struct Kernels {
 
 #include "fast_exp.inc"
 
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    int e = -1;
-    do {
-      ++e;
-      man <<= 1;
-    } while ((man & 0x400u) == 0);
-    bits = sign | ((112u - e) << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+using afm_qmm::half_to_float;
 
 // ---------------------------------------------------------------- portable
 // Plain loops, the innermost over contiguous columns (a compiler vectorizes

@@ -402,7 +402,7 @@ void gemm_columns(Sgemm sgemm, const float* x, int M, const QWeights& wt, int n0
     const int rows = t1 - t0;
     const int threads = std::min(pool_threads(p, static_cast<double>(rows) * K, 100000.0), rows);
     float* const tp = tile.data();  // (the jobs run on other threads: not the thread_local)
-    const DequantizeFn dequantize = wt.kquant != 0 ? kquant_dequantize_rows : ks.dequantize;
+    const DequantizeFn dequantize = wt.kquant != 0 ? ks.kquant_dequantize : ks.dequantize;
     if (threads <= 1) {
       dequantize(wt, t0, t1, tp);
     } else {

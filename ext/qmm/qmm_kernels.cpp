@@ -5,6 +5,7 @@
 // qmm_kernels.h.
 #include "qmm_kernels.h"
 
+#include "half.h"
 #include "kquant_kernels.h"
 
 #include <algorithm>
@@ -47,28 +48,6 @@ float* thread_scratch(size_t n) {
     have = n;
   }
   return start;
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    exp = 113;
-    while ((man & 0x400u) == 0) {
-      man <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -366,24 +345,28 @@ struct Available {
   KernelSet sets[6];
   int count = 0;
   Available() {
-    sets[count++] = {scalar::range, "scalar", quantize_rows, dequantize_rows, kquant_range_scalar};
+    sets[count++] = {scalar::range, "scalar", quantize_rows, dequantize_rows, kquant_range_scalar,
+                     kquant_dequantize_rows};
 #if QMM_NEON
-    sets[count++] = {neon::range, "neon", quantize_rows, dequantize_rows, kquant_range_scalar};
+    sets[count++] = {neon::range, "neon", quantize_rows, dequantize_rows, kquant_range_scalar,
+                     kquant_dequantize_rows};
 #endif
 #if QMM_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
       // (the K-quant products have an AVX2 kernel, which every set here runs)
-      sets[count++] = {avx2::range, "avx2", avx2::quantize, avx2::dequantize, kquant_range_avx2};
+      sets[count++] = {avx2::range, "avx2", avx2::quantize, avx2::dequantize, kquant_range_avx2,
+                       kquant_dequantize_rows_avx2};
       if (__builtin_cpu_supports("avxvnni")) {
         sets[count++] = {avxvnni::range, "avx-vnni", avxvnni::quantize, avxvnni::dequantize,
-                         kquant_range_avx2};
+                         kquant_range_avx2, kquant_dequantize_rows_avx2};
       }
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
-        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize, vnni::dequantize, kquant_range_avx2};
+        sets[count++] = {vnni::range, "avx2-vnni", vnni::quantize, vnni::dequantize, kquant_range_avx2,
+                         kquant_dequantize_rows_avx2};
         sets[count++] = {avx512::range, "avx512-vnni", avx512::quantize, avx2::dequantize,
-                         kquant_range_avx2};
+                         kquant_range_avx2, kquant_dequantize_rows_avx2};
       }
     }
 #endif

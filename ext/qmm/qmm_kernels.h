@@ -106,6 +106,7 @@ struct KernelSet {
   QuantizeFn quantize;  // the activations for `range`
   DequantizeFn dequantize;  // dequantize_rows's values (the sgemm path's tiles)
   RangeKernel kquant_range;  // `range` for K-quant weights (kquant_kernels.h)
+  DequantizeFn kquant_dequantize;  // and `dequantize`
 };
 
 // Bytes ahead of the weights in use that the x86 kernels prefetch

@@ -77,8 +77,9 @@ def act_bits(request):
     ext.set_kquant_activation_bits(8)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("kind", [4, 6])
-def test_the_sgemm_path_multiplies_exactly_ggufs_values(kind):
+def test_the_sgemm_path_multiplies_exactly_ggufs_values(isa, kind):
     """One-hot rows through the sgemm path (from gemm_rows rows) give each
     weight value alone: exactly gguf's dequantization."""
     k, n = 512, 24
