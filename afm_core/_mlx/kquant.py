@@ -43,8 +43,12 @@ _BITS = {"Q4_K": 4, "Q6_K": 6}
 
 def kquant_wanted() -> bool:
     """Whether layers should take their K-quant blocks: afm's kernels loaded,
-    MLX on the CPU, and not ``AFM_NO_KQUANT``."""
-    return (_qmm.extension() is not None and _qmm._on_cpu()
+    MLX on the CPU, a kernel set with a vectorized K-quant product (every
+    x86 set's AVX2 one; the portable one when the scalar set is chosen, as
+    the tests of each path do; NEON has none yet, and its MLX-layout
+    kernels are the faster there), and not ``AFM_NO_KQUANT``."""
+    isa = _qmm.kernel_isa()
+    return (isa is not None and isa != "neon" and _qmm._on_cpu()
             and os.environ.get(NO_KQUANT_ENV, "") in ("", "0"))
 
 

@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from afm_core._mlx import qmatmul
+from afm_core._mlx.kquant import kquant_wanted
 from afm_core._models.gguf.arch import get_architecture
 from afm_core._models.gguf.convert import KQUANT_FILE, convert_gguf
 from afm_core._models.loader import load
@@ -26,8 +27,9 @@ from afm_core._models.loader import load
 from . import numpy_ref
 from .test_gguf_archs import IDS, Model, build
 
-pytestmark = pytest.mark.skipif(qmatmul.extension() is None,
-                                reason="afm_core._mlx.qmm_ext is not built (or AFM_NO_QMM / AFM_NO_EXTENSIONS is set)")
+pytestmark = pytest.mark.skipif(
+    not kquant_wanted(), reason="no K-quant kernel here (afm_core._mlx.qmm_ext not built, AFM_NO_QMM, "
+    "AFM_NO_KQUANT, or the NEON kernels, which have none yet)")
 
 # the matrices cycle over these: K-quant layers beside MLX-layout ones
 TYPES = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")
