@@ -36,14 +36,6 @@ namespace {
 
 using namespace afm_qmm;
 
-uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-uint32_t next_u32() {  // xorshift64*
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return static_cast<uint32_t>((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
 __attribute__((target("f16c"))) uint16_t to_half(float f) { return _cvtss_sh(f, 0); }
 
 float small_scale() { return 0.0005f + 0.0005f * static_cast<float>(next_u32() % 1000) / 1000.0f; }
@@ -109,23 +101,6 @@ double mlx_value(const Mlx& l, int K, int n, int i) {
   return s * weight_value(l.w.data() + static_cast<size_t>(n) * K * l.bits / 8, l.bits, i) + bias;
 }
 
-// One activation row quantized by `set` with `passes` int8 passes (2: afm's 16-bit default).
-OneRow quantize_passes(const KernelSet& set, const std::vector<float>& x, int bits, int passes) {
-  if (passes == 2) return quantize_one_row(set, x, bits);
-  const int K = static_cast<int>(x.size());
-  OneRow a{std::vector<int8_t>(2 * static_cast<size_t>(K)), std::vector<float>(K / 32 + 8),
-           std::vector<float>(K / 32 + 8), {}};
-  const int64_t offset = 0;
-  set.quantize(x.data(), &offset, 1, K, 32, bits, 1, a.q.data(), a.d.data(), a.xsum.data(), 0, 1);
-  a.view.q = a.q.data();
-  a.view.d = a.d.data();
-  a.view.xsum = a.xsum.data();
-  a.view.M = 1;
-  a.view.K = K;
-  a.view.passes = 1;
-  return a;
-}
-
 // One activation row as kquant_quantize_rows makes it, and its values (the passes summed).
 struct KQRow {
   std::vector<int8_t> q;
@@ -161,12 +136,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 21;
-  const KernelSet* sets[8];
-  const int count = available_kernels(sets, 8);
-  const KernelSet* set = nullptr;
-  for (int i = 0; i < count; ++i) {
-    if (std::strcmp(sets[i]->name, "avx2") == 0) set = sets[i];
-  }
+  const KernelSet* set = kernel_set("avx2");
   if (set == nullptr) {
     std::printf("this CPU does not run the avx2 kernel set\n");
     return 1;
@@ -193,7 +163,7 @@ int main(int argc, char** argv) {
     }
     std::vector<float> x(K);
     for (auto& v : x) v = static_cast<float>(static_cast<int>(next_u32() % 2001) - 1000) / 1000.0f;
-    const OneRow a16 = quantize_passes(*set, x, mlx_bits, 2), a8 = quantize_passes(*set, x, mlx_bits, 1);
+    const OneRow a16 = quantize_one_row(*set, x, mlx_bits, 2), a8 = quantize_one_row(*set, x, mlx_bits, 1);
     const KQRow k16 = quantize_kquant(x, 2), k8 = quantize_kquant(x, 1);
     std::vector<float> out(N);
 

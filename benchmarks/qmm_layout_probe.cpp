@@ -94,14 +94,6 @@ namespace {
 
 using namespace afm_qmm;
 
-uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-uint32_t next_u32() {  // xorshift64*
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return static_cast<uint32_t>((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
 AVX2_FMA_F16C uint16_t to_half(float f) { return _cvtss_sh(f, 0); }
 
 struct Layout {
@@ -178,12 +170,7 @@ bool check(const char* what, const std::vector<float>& out, const Layout& l, int
 }  // namespace
 
 int main() {
-  const KernelSet* sets[8];
-  const int count = available_kernels(sets, 8);
-  const KernelSet* set = nullptr;
-  for (int i = 0; i < count; ++i) {
-    if (std::strcmp(sets[i]->name, "avx2") == 0) set = sets[i];
-  }
+  const KernelSet* set = kernel_set("avx2");
   if (set == nullptr) {
     std::printf("this CPU does not run the avx2 kernel set\n");
     return 1;
