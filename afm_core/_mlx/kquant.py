@@ -11,7 +11,7 @@ its weight becomes the uint8 rows of blocks, its scales and biases empty,
 (``ext/qmm/kquant_kernels.cpp``) apply the blocks' integer sub-scales inside
 the integer pipeline with one float stage per 256 values.  A 1.5B model's
 Q4_K_M file is then read at its own 4.5-6.6 bits a weight instead of the
-MLX layout's 5-8.5, the products 1.2-1.5x faster
+MLX layout's 5-8.5, the products 1.15-1.4x faster
 (``benchmarks/qmm_kquant_probe.cpp``).  Grouping, the norm and rotary
 epilogues and the sgemm path (which dequantizes the blocks as llama.cpp
 does) work on them as on the MLX layout.
