@@ -549,10 +549,24 @@ Operands operands(const mx::array& x, const mx::array& w, const mx::array& scale
   return o;
 }
 
-// The process's sgemm when a product of M rows goes through it, else null.
-Sgemm sgemm_for(int M) {
+// Rows from which a product with K-quant blocks goes through sgemm: what
+// set_gemm_rows chose, else AFM_KQUANT_GEMM_ROWS, else 96.  The blocks' int8
+// kernels beat sgemm on their dequantized tiles well past the affine
+// kernels' 32 rows (the 1.5B's forward: a 62-token prompt 1.48-1.55 s on the
+// block kernels against 1.96-2.23 s through sgemm, 100 tokens 2.38-2.70
+// against 2.72-2.90 s).
+int kquant_gemm_rows() {
+  const int v = g_gemm_rows.load();
+  if (v >= 0) return v;
+  static const int env = env_int("AFM_KQUANT_GEMM_ROWS", 96);
+  return env;
+}
+
+// The process's sgemm when a product of M rows with wt goes through it, else null.
+Sgemm sgemm_for(int M, const QWeights& wt) {
   Sgemm sgemm = find_sgemm();
-  return sgemm != nullptr && gemm_rows() > 0 && M >= gemm_rows() ? sgemm : nullptr;
+  const int rows = wt.kquant != 0 ? kquant_gemm_rows() : gemm_rows();
+  return sgemm != nullptr && rows > 0 && M >= rows ? sgemm : nullptr;
 }
 
 // The output rows [0, N) of a product split over the pool's threads in
@@ -731,7 +745,7 @@ void add_residual(const mx::array& r, mx::array& out) {
 void swiglu_product(const Operands& o, float* out) {
   const int M = o.M, N = o.wt.N, I = N / 2, K = o.wt.K;
   if (M == 0 || I == 0) return;
-  if (Sgemm sgemm = sgemm_for(M); sgemm != nullptr) {
+  if (Sgemm sgemm = sgemm_for(M, o.wt); sgemm != nullptr) {
     // pieces of gemm_tile's width of gate and up columns (the calls the split
     // product makes), their two products side by side
     const int width = gemm_tile(M, K);
@@ -854,7 +868,7 @@ class AfmQuantizedMatmul : public mx::Primitive {
     if (M == 0) return;
     bool all_f32 = true;
     for (const auto& a : out) all_f32 = all_f32 && a.dtype() == mx::float32;
-    const Sgemm sgemm = sgemm_for(M);
+    const Sgemm sgemm = sgemm_for(M, o.wt);
     if (sgemm != nullptr && all_f32) {
       // each member's columns straight into its own output, its bias added there
       int start = 0;

@@ -186,3 +186,22 @@ def test_bad_kquant_operands_get_clear_errors():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             ext.quantized_matmul(*args)
+
+
+def test_prompts_of_some_tens_of_rows_stay_on_the_block_kernels():
+    """Up to 96 rows (AFM_KQUANT_GEMM_ROWS) the int8 block kernels, not sgemm:
+    their int8 rounding shows, where sgemm's float32 products are ~1e-7 off."""
+    raw = random_blocks(4, 32, 512, seed=60)
+    w = dequantized(4, raw).astype(np.float64)
+    x = np.random.default_rng(8).standard_normal((64, 512)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T
+
+    def error() -> float:
+        return float(np.abs(product(x, raw, 4) - want).max() / np.abs(want).max())
+
+    assert 1e-5 < error() < 2e-2
+    ext.set_gemm_rows(32)  # an explicit setting applies to the blocks too
+    try:
+        assert error() < 1e-5
+    finally:
+        ext.set_gemm_rows(-1)
